@@ -1,0 +1,46 @@
+// Options, configuration and platform choice shared by every operation.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace recattn {
+
+/// Where a call runs. `automatic` picks cuda for device pointers when the including
+/// translation unit is compiled by nvcc, cpu otherwise.
+enum class platform { automatic, cpu, cuda };
+
+inline const char* platform_name(platform p) {
+  switch (p) {
+    case platform::automatic: return "automatic";
+    case platform::cpu: return "cpu";
+    case platform::cuda: return "cuda";
+  }
+  return "?";
+}
+
+/// Memory layout of one (sequence, head) state: `kv` is S[K][V] (SPEC default), `vk` S^T.
+enum class state_layout { kv, vk };
+
+/// Tuning knobs. Zero means "heuristic choice"; `heuristic_cfg(problem)` fills them in.
+struct cfg {
+  int threads = 0;   ///< CPU worker threads (0: all hardware threads)
+  int block_v = 0;   ///< value columns per work item (CPU and CUDA)
+  int chunk = 0;     ///< CPU: tokens staged (converted, gates exponentiated) at once
+  int block_k = 0;   ///< CUDA: key rows per thread group
+  int num_warps = 0; ///< CUDA: warps per block
+
+  friend bool operator==(const cfg& a, const cfg& b) {
+    return a.threads == b.threads && a.block_v == b.block_v && a.chunk == b.chunk && a.block_k == b.block_k &&
+           a.num_warps == b.num_warps;
+  }
+  friend bool operator!=(const cfg& a, const cfg& b) { return !(a == b); }
+  std::string str() const {
+    return "threads=" + std::to_string(threads) + " block_v=" + std::to_string(block_v) +
+           " chunk=" + std::to_string(chunk) + " block_k=" + std::to_string(block_k) +
+           " num_warps=" + std::to_string(num_warps);
+  }
+};
+
+}  // namespace recattn
