@@ -207,3 +207,5 @@ inline std::string can_implement(const tensor_view& q, const tensor_view& k, con
 }
 
 }  // namespace recattn
+
+#include "backward.hpp"

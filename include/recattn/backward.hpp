@@ -1,0 +1,2 @@
+// Backward pass (SPEC §3.2): public API. Filled in by the backward work (issue 4).
+#pragma once
