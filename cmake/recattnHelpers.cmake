@@ -20,6 +20,11 @@ function(recattn_target_defaults target)
   target_compile_options(${target} PRIVATE
     "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra>"
     $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 12.3)
+    # GCC 12.2's AVX-512 headers trip -Wmaybe-uninitialized on their own self-initialised
+    # placeholders (`__m512i __Y = __Y;`, GCC bug 105593, fixed in 12.3): noise, not recattn.
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wno-maybe-uninitialized>)
+  endif()
   if(RECATTN_NATIVE)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX>:-march=native>
