@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "backward_problem.hpp"
 #include "config.hpp"
 #include "detail/static_switch.hpp"
 #include "policy.hpp"
@@ -64,6 +65,27 @@ void dispatch_forward(const problem& p, const Cfg& c) {
                                      "state_layout vk (RECATTN_DISABLE_VK_STATE)", VK, [&] {
             constexpr state_layout L = VK ? state_layout::vk : state_layout::kv;
             Backend::template forward<T, forward_policy<Gates, Reverse, Varlen, L>>(p, c);
+          });
+        });
+      });
+    });
+  });
+}
+
+/// Calls `Backend::template backward<T, forward_policy<...>>(bp, c)` for the specialization
+/// that matches the checked backward problem bp: the same variants (and caps) as forward.
+template <class Backend, class Cfg>
+void dispatch_backward(const backward_problem& bp, const Cfg& c) {
+  const problem& p = bp.fwd;
+  dtype_switch(p.type, [&](auto tag) {
+    using T = decltype(tag);
+    RECATTN_GATE_SWITCH(p.gates, Gates, [&] {
+      RECATTN_BOOL_SWITCH_CAPPED(p.reverse, RECATTN_DISABLE_REVERSE, "reverse (RECATTN_DISABLE_REVERSE)", Reverse, [&] {
+        RECATTN_BOOL_SWITCH_CAPPED(p.varlen, RECATTN_DISABLE_VARLEN, "cu_seqlens (RECATTN_DISABLE_VARLEN)", Varlen, [&] {
+          RECATTN_BOOL_SWITCH_CAPPED(p.layout == state_layout::vk, RECATTN_DISABLE_VK_STATE,
+                                     "state_layout vk (RECATTN_DISABLE_VK_STATE)", VK, [&] {
+            constexpr state_layout L = VK ? state_layout::vk : state_layout::kv;
+            Backend::template backward<T, forward_policy<Gates, Reverse, Varlen, L>>(bp, c);
           });
         });
       });

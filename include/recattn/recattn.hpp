@@ -113,6 +113,8 @@ forward_result allocate_and_run(const tensor_view& q, const tensor_view& k, cons
 
 }  // namespace detail
 
+struct backward_result;  // backward.hpp
+
 /// The recurrent-attention kernel object, with ejkernel's roles: `run`, `heuristic_cfg`,
 /// `candidate_cfgs`, `get_impl`.
 class RecurrentAttention {
@@ -136,6 +138,14 @@ class RecurrentAttention {
     return detail::allocate_and_run(q, k, v, opt, output_kind::native,
                                     [&](const forward_outputs& outs) { run(q, k, v, opt, outs); });
   }
+
+  /// Backward (SPEC §3.2) into caller-owned gradient buffers; defined in backward.hpp.
+  void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v, const forward_options& opt,
+                const output_grads& grads, const backward_outputs& outs) const;
+
+  /// Backward returning newly allocated gradients; defined in backward.hpp.
+  backward_result backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                           const forward_options& opt, const output_grads& grads) const;
 
   /// A good default configuration for the problem on this object's platform.
   cfg heuristic_cfg(const problem& p) const { return detail::resolve_cfg(resolved(p), p, std::nullopt); }

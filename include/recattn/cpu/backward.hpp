@@ -1,0 +1,765 @@
+// The CPU backward kernel (SPEC §3.2): one xsimd kernel for every gate policy, direction,
+// layout, dtype and state layout.
+//
+// Two sweeps over each sequence, neither of which stores a state per token:
+//
+//   sweep B (reverse processing order) carries the adjoint dS (the gradient with respect
+//     to the state after token i), starting from d_final_state:
+//        dS += scale * q_i dO_i^T;   dk_i = dS v_i;   dv_i = dS^T k_i;   dS = D_i .* dS
+//     and ends with d initial_state = dS.
+//   sweep A (processing order) carries the state S^T, starting from initial_state:
+//        S^T = D_i^T .* S^T + v_i k_i^T;   dq_i = scale * S_i dO_i   (and o_i for dgv)
+//
+// The gate gradients d log D_i = dS_i .* D_i .* S_{i-1} need the state and the adjoint of
+// the same token, which the two sweeps carry in opposite directions. They are obtained
+// without either from the telescoping identities (summing d log D over b, over a, or both)
+//
+//   dgk_i = rowsum(dh0 .* h0) + sum_{j<i} (k_j .* dk_j - q_j .* dq_j)
+//   dgv_i = colsum(dh0 .* h0) + sum_{j<i} (v_j .* dv_j - o_j .* dO_j)
+//   dg_i  = sum(dh0 .* h0)    + sum_{j<i} sum_a (k_j .* dk_j - q_j .* dq_j)
+//   dg_gamma = sum_i dg_i
+//
+// (per head, before heads are summed for grouped q/k/v). Sweep B runs first and leaves the
+// suffix sums of its terms in the gate-gradient buffers; sweep A adds its prefix sums and
+// writes the final values. A float32/float64 gate-gradient buffer serves as that storage
+// itself; a bfloat16/half one gets a float scratch of its size (so only then does extra
+// memory grow with T). Nothing divides by a decay.
+//
+// Work items: sweep B, (sequence, group of heads that share key or value rows) with the
+// whole K x V adjoint of each head; sweep A, (sequence, group of heads sharing a query row,
+// block of key columns). Within a chunk of staged tokens, register tiles of the state stay
+// in registers (as in the forward kernel), and grouped heads sum into a float chunk buffer
+// before one write, so bfloat16 outputs are rounded once.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include <xsimd/xsimd.hpp>
+
+#include "../backward_problem.hpp"
+#include "../cfg.hpp"
+#include "../detail/seqlen.hpp"
+#include "../dtype.hpp"
+#include "../policy.hpp"
+#include "parallel.hpp"
+#include "recurrence.hpp"
+
+#ifndef RECATTN_CPU_BWD_TILE_ROWS
+#define RECATTN_CPU_BWD_TILE_ROWS 8
+#endif
+#ifndef RECATTN_CPU_BWD_TILE_REGS
+#define RECATTN_CPU_BWD_TILE_REGS 2
+#endif
+
+namespace recattn::cpu {
+
+namespace detail {
+
+/// One chunk of the adjoint sweep for a register tile of R key rows x NV registers of value
+/// columns of dS, in reverse token order. Adds the tile's share of dv_l = dS^T k to dvp
+/// ([L][ldv]); stores (first column tile) or adds the tile's lane partials of dk_l = dS v to
+/// kpart ([L][ldk][W]).
+template <class Acc, bool DecayRow, bool DecayCol, int R, int NV>
+inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* drs, std::int64_t ldk,
+                         const Acc* vs, const Acc* dos, const Acc* dcs, std::int64_t ldv, Acc* S, std::int64_t lds,
+                         Acc* dvp, Acc* kpart, bool first) {
+  using B = xsimd::batch<Acc, arch>;
+  constexpr std::int64_t W = std::int64_t(B::size);
+  B s[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) s[i][j] = B::load_aligned(S + i * lds + j * W);
+  for (std::int64_t l = L - 1; l >= 0; --l) {
+    const Acc* qr = qs + l * ldk;
+    const Acc* kr = ks + l * ldk;
+    const Acc* dr = drs + l * ldk;
+    B v[NV], d[NV], dc[NV], dva[NV];
+    for (int j = 0; j < NV; ++j) {
+      v[j] = B::load_aligned(vs + l * ldv + j * W);
+      d[j] = B::load_aligned(dos + l * ldv + j * W);
+      if constexpr (DecayCol) dc[j] = B::load_aligned(dcs + l * ldv + j * W);
+      dva[j] = B::load_aligned(dvp + l * ldv + j * W);
+    }
+    Acc* kp = kpart + l * ldk * W;
+    for (int i = 0; i < R; ++i) {
+      const B qb(qr[i]), kb(kr[i]);
+      B dka(Acc(0));
+      for (int j = 0; j < NV; ++j) {
+        s[i][j] = xsimd::fma(qb, d[j], s[i][j]);
+        dva[j] = xsimd::fma(kb, s[i][j], dva[j]);
+        dka = xsimd::fma(s[i][j], v[j], dka);
+      }
+      if constexpr (DecayRow) {
+        const B db(dr[i]);
+        for (int j = 0; j < NV; ++j) {
+          if constexpr (DecayCol) s[i][j] = s[i][j] * (db * dc[j]);
+          else s[i][j] = s[i][j] * db;
+        }
+      } else if constexpr (DecayCol) {
+        for (int j = 0; j < NV; ++j) s[i][j] = s[i][j] * dc[j];
+      }
+      if (first) dka.store_aligned(kp + i * W);
+      else (B::load_aligned(kp + i * W) + dka).store_aligned(kp + i * W);
+    }
+    for (int j = 0; j < NV; ++j) dva[j].store_aligned(dvp + l * ldv + j * W);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) s[i][j].store_aligned(S + i * lds + j * W);
+}
+
+/// One chunk of the state sweep on S^T for a register tile of R value rows x NV registers of
+/// key columns, in token order. Adds the tile's share of dq_l = scale * S dO to dqp
+/// ([L][ldk]); with NeedO stores or adds the lane partials of o_l = S^T q to opart
+/// ([L][ldv][W]). dos is dO pre-multiplied by the scale.
+template <class Acc, bool DecayRow, bool DecayCol, bool NeedO, int R, int NV>
+inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc* drs, std::int64_t ldv,
+                       const Acc* ks, const Acc* qs, const Acc* dcs, std::int64_t ldk, Acc* S, std::int64_t lds,
+                       Acc* dqp, Acc* opart, bool first) {
+  using B = xsimd::batch<Acc, arch>;
+  constexpr std::int64_t W = std::int64_t(B::size);
+  B s[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) s[i][j] = B::load_aligned(S + i * lds + j * W);
+  for (std::int64_t l = 0; l < L; ++l) {
+    const Acc* vr = vs + l * ldv;
+    const Acc* dr = dos + l * ldv;
+    const Acc* er = drs + l * ldv;
+    B k[NV], dc[NV], q[NV], dqa[NV];
+    for (int j = 0; j < NV; ++j) {
+      k[j] = B::load_aligned(ks + l * ldk + j * W);
+      if constexpr (DecayCol) dc[j] = B::load_aligned(dcs + l * ldk + j * W);
+      if constexpr (NeedO) q[j] = B::load_aligned(qs + l * ldk + j * W);
+      dqa[j] = B::load_aligned(dqp + l * ldk + j * W);
+    }
+    Acc* op = opart + l * ldv * W;
+    for (int i = 0; i < R; ++i) {
+      const B vb(vr[i]), ob(dr[i]);
+      if constexpr (DecayRow) {
+        const B eb(er[i]);
+        for (int j = 0; j < NV; ++j) {
+          if constexpr (DecayCol) s[i][j] = xsimd::fma(s[i][j], eb * dc[j], vb * k[j]);
+          else s[i][j] = xsimd::fma(s[i][j], eb, vb * k[j]);
+        }
+      } else {
+        for (int j = 0; j < NV; ++j) {
+          if constexpr (DecayCol) s[i][j] = xsimd::fma(s[i][j], dc[j], vb * k[j]);
+          else s[i][j] = xsimd::fma(vb, k[j], s[i][j]);
+        }
+      }
+      for (int j = 0; j < NV; ++j) dqa[j] = xsimd::fma(ob, s[i][j], dqa[j]);
+      if constexpr (NeedO) {
+        B oa(Acc(0));
+        for (int j = 0; j < NV; ++j) oa = xsimd::fma(s[i][j], q[j], oa);
+        if (first) oa.store_aligned(op + i * W);
+        else (B::load_aligned(op + i * W) + oa).store_aligned(op + i * W);
+      }
+    }
+    for (int j = 0; j < NV; ++j) dqa[j].store_aligned(dqp + l * ldk + j * W);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) s[i][j].store_aligned(S + i * lds + j * W);
+}
+
+/// Horizontal sums of W registers at once (xsimd::haddp), in row order. xsimd 8.1's AVX-512
+/// haddp returns the W sums permuted; the order is probed once and undone, and were the
+/// probe ever to find something other than a permutation, plain per-row sums are used.
+template <class Acc>
+struct lane_sums {
+  using B = xsimd::batch<Acc, arch>;
+  static constexpr std::size_t W = B::size;
+  std::array<int, W> where{};  ///< haddp's output lane of row r's sum
+  bool permutation = true;
+
+  static const lane_sums& get() {
+    static const lane_sums s;
+    return s;
+  }
+  lane_sums() {
+    for (int probe = 0; probe < 2 && permutation; ++probe) {
+      alignas(64) Acc m[W * W];
+      alignas(64) Acc out[W];
+      B rows[W];
+      for (std::size_t r = 0; r < W; ++r) {
+        for (std::size_t c = 0; c < W; ++c)
+          m[r * W + c] = probe == 0 ? Acc(r * W + c) : Acc(std::ldexp(double(c + 1), int(r)));
+        rows[r] = B::load_aligned(m + r * W);
+      }
+      xsimd::haddp(rows).store_aligned(out);
+      for (std::size_t r = 0; r < W; ++r) {
+        Acc sum = 0;
+        for (std::size_t c = 0; c < W; ++c) sum += m[r * W + c];
+        int found = -1;
+        for (std::size_t o = 0; o < W; ++o)
+          if (out[o] == sum) found = int(o);
+        if (found < 0 || (probe == 1 && found != where[r])) permutation = false;
+        where[r] = found;
+      }
+    }
+  }
+
+  /// out[r] = sum of the lanes of part[r] for r in [0, W).
+  void operator()(const Acc* part, Acc* out) const {
+    if (permutation) {
+      B rows[W];
+      for (std::size_t r = 0; r < W; ++r) rows[r] = B::load_aligned(part + r * W);
+      alignas(64) Acc h[W];
+      xsimd::haddp(rows).store_aligned(h);
+      for (std::size_t r = 0; r < W; ++r) out[r] = h[where[r]];
+    } else {
+      for (std::size_t r = 0; r < W; ++r) out[r] = xsimd::hadd(B::load_aligned(part + r * W));
+    }
+  }
+};
+
+/// out[l][r] = sum of the W lanes of part[l][r] for r in [0, rows_p), rows_p a multiple of W.
+template <class Acc>
+inline void reduce_lanes(std::int64_t L, std::int64_t rows_p, const Acc* part, Acc* out, std::int64_t ldo) {
+  constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  const lane_sums<Acc>& sums = lane_sums<Acc>::get();
+  for (std::int64_t l = 0; l < L; ++l)
+    for (std::int64_t r0 = 0; r0 < rows_p; r0 += W) sums(part + (l * rows_p + r0) * W, out + l * ldo + r0);
+}
+
+/// Calls tile(R, NV, row, col) over a [rows x cols_p] state in register tiles: column
+/// tiles of NV registers (then single registers), row tiles of R rows (then single rows).
+template <class Acc, int R, int NV, class Tile>
+inline void for_each_tile(std::int64_t rows, std::int64_t cols_p, Tile&& tile) {
+  constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  auto row_tiles = [&](auto nv, std::int64_t j0) {
+    std::int64_t r = 0;
+    for (; r + R <= rows; r += R) tile(std::integral_constant<int, R>{}, nv, r, j0);
+    for (; r < rows; ++r) tile(std::integral_constant<int, 1>{}, nv, r, j0);
+  };
+  std::int64_t j0 = 0;
+  for (; j0 + NV * W <= cols_p; j0 += NV * W) row_tiles(std::integral_constant<int, NV>{}, j0);
+  for (; j0 < cols_p; j0 += W) row_tiles(std::integral_constant<int, 1>{}, j0);
+}
+
+/// Rows of per-token partial sums of a gate gradient: the gradient's own buffer when it
+/// holds float32/float64, else a float scratch of its size.
+struct partial_rows {
+  void* data = nullptr;
+  dtype type = dtype::float32;
+  std::int64_t s0 = 0, s1 = 0, s2 = 0;
+  std::int64_t offset(std::int64_t b, std::int64_t t, std::int64_t h) const { return b * s0 + t * s1 + h * s2; }
+  void load(std::int64_t off, std::int64_t n, double* out) const {
+    if (type == dtype::float64) std::copy_n(static_cast<const double*>(data) + off, n, out);
+    else for (std::int64_t i = 0; i < n; ++i) out[i] = double(static_cast<const float*>(data)[off + i]);
+  }
+  void store(std::int64_t off, std::int64_t n, const double* in) const {
+    if (type == dtype::float64) std::copy_n(in, n, static_cast<double*>(data) + off);
+    else for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(data)[off + i] = float(in[i]);
+  }
+};
+
+/// Writes n doubles to a row of dtype t.
+inline void store_row_as(void* dst, dtype t, std::int64_t off, std::int64_t n, const double* in) {
+  switch (t) {
+    case dtype::float32: for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[off + i] = float(in[i]); return;
+    case dtype::float64: std::copy_n(in, n, static_cast<double*>(dst) + off); return;
+    default: for (std::int64_t i = 0; i < n; ++i) store_as(dst, t, off + i, in[i]); return;
+  }
+}
+
+/// Loads one (n, h) state slice as M[r][c] (r over rows, c over cols, row stride ldm) from
+/// a state of the problem's layout, transposed when `transposed` (M = S^T). Zero padded
+/// where the buffer is wider.
+template <class Acc>
+inline void load_state(const problem& p, const strided3& st, std::int64_t n, std::int64_t h, bool transposed,
+                       std::int64_t rows, std::int64_t c0, std::int64_t cols, Acc* M, std::int64_t ldm) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < ldm; ++c) M[r * ldm + c] = Acc(0);
+  if (!st.data) return;
+  const Acc* src = static_cast<const Acc*>(st.data);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::int64_t a = transposed ? c0 + c : r, b = transposed ? r : c0 + c;  // S[a][b]
+      M[r * ldm + c] = src[state_offset(p, st, n, h, a, b)];
+    }
+}
+
+inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(a, b) * b; }
+
+}  // namespace detail
+
+/// Scratch sizes of one backward call (bytes), for the memory figures of the benchmark.
+struct backward_workspace {
+  std::size_t per_thread_b = 0, per_thread_a = 0;  ///< sweep B, sweep A scratch of one worker
+  int threads_b = 0, threads_a = 0;
+  std::size_t shared = 0;       ///< per-(n, h) constants, independent of T
+  std::size_t token_scratch = 0;  ///< float per-token partials of 16-bit gate gradients (grows with T)
+  std::size_t total() const {
+    return per_thread_b * std::size_t(threads_b) + per_thread_a * std::size_t(threads_a) + shared + token_scratch;
+  }
+};
+
+namespace detail {
+
+/// Sizes and blockings of one call, shared by the kernel and backward_workspace_of.
+template <class Acc>
+struct backward_plan {
+  std::int64_t W, K, V, Kp, Vp, C, Ga, Gb, bk, nkb, items_a, items_b;
+  int threads_a, threads_b;
+  bool want_k, want_v, want_s, want_gamma, need_o;
+  std::size_t per_b, per_a, consts, token_scratch;
+
+  backward_plan(const backward_problem& bp, const cfg& c) {
+    const problem& p = bp.fwd;
+    W = std::int64_t(xsimd::batch<Acc, arch>::size);
+    K = p.K;
+    V = p.V;
+    Kp = round_up(K, W);
+    Vp = round_up(V, W);
+    C = std::max<std::int64_t>(1, c.chunk);
+    Ga = p.H / p.Hq;
+    Gb = lcm64(p.H / p.Hk, p.H / p.Hv);
+    want_k = p.has(gate_gk) && bp.wants(bp.dgk);
+    want_v = p.has(gate_gv) && bp.wants(bp.dgv);
+    want_s = p.has(gate_g) && bp.wants(bp.dg);
+    want_gamma = p.has(gate_g_gamma) && bp.wants(bp.dg_gamma);
+    need_o = want_v;
+    const int threads = std::max(1, c.threads);
+    // Sweep A needs whole rows of S (sums over a) for o and the scalar gates.
+    if (need_o || want_s || want_gamma) {
+      bk = Kp;
+    } else {
+      bk = std::min<std::int64_t>(Kp, 4 * W);
+      while (bk > W && p.N * (p.H / Ga) * ((Kp + bk - 1) / bk) < 2 * threads) bk = round_up(bk / 2, W);
+    }
+    nkb = (Kp + bk - 1) / bk;
+    items_b = p.N * (p.H / Gb);
+    items_a = p.N * (p.H / Ga) * nkb;
+    threads_b = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_b)));
+    threads_a = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_a)));
+    const std::int64_t nk = Gb / (p.H / p.Hk), nv = Gb / (p.H / p.Hv);
+    // Sweep B: adjoints, staged chunk (q k dr / v dO dc), dk/dv of a head and of its groups,
+    // dk lane partials; then running sums (double).
+    per_b = sizeof(Acc) * std::size_t(Gb * K * Vp + 3 * C * Kp + 3 * C * Vp + C * Kp + C * Vp + nk * C * Kp +
+                                      nv * C * Vp + C * Kp * W) +
+            sizeof(double) * std::size_t(Gb * (K + V + 2) + 2 * (K + V));
+    // Sweep A: states S^T, staged chunk (dO v dr / k q dc), dq of a head and of the group,
+    // o and its lane partials; then running sums.
+    per_a = sizeof(Acc) * std::size_t(Ga * V * bk + 3 * C * Vp + 3 * C * bk + 2 * C * bk + C * Vp + C * Vp * W) +
+            sizeof(double) * std::size_t(Ga * (bk + V + 2) + 2 * (K + V));
+    // Every worker's slice starts 64-byte aligned.
+    per_b = (per_b + 63) / 64 * 64;
+    per_a = (per_a + 63) / 64 * 64;
+    consts = sizeof(double) * std::size_t(p.N * p.H * (K + V + 4));
+    token_scratch = 0;
+    auto scratch_of = [&](bool want, const strided3& out, std::int64_t width) {
+      if (want && out.type != dtype::float32 && out.type != dtype::float64)
+        token_scratch += sizeof(float) * std::size_t(p.B * p.T * p.H * width);
+    };
+    scratch_of(want_k, bp.dgk, K);
+    scratch_of(want_v, bp.dgv, V);
+    scratch_of(want_s, bp.dg, 1);
+  }
+};
+
+}  // namespace detail
+
+/// The backward pass for one compiled specialization. `bp` is checked; `c` resolved.
+template <class T, class Policy>
+void backward_kernel(const backward_problem& bp, const cfg& c) {
+  using Acc = accum_t<T>;
+  namespace d = detail;
+  const problem& p = bp.fwd;
+  const d::backward_plan<Acc> plan(bp, c);
+  const std::int64_t W = plan.W, K = plan.K, V = plan.V, Kp = plan.Kp, Vp = plan.Vp, C = plan.C;
+  const std::int64_t Ga = plan.Ga, Gb = plan.Gb, bk = plan.bk;
+  const std::int64_t gq = p.H / p.Hq, gkh = p.H / p.Hk, gvh = p.H / p.Hv;
+  const std::int64_t nk = Gb / gkh, nv = Gb / gvh;
+  const bool want_k = plan.want_k, want_v = plan.want_v, want_s = plan.want_s, want_gamma = plan.want_gamma;
+  const bool want_scalar = want_s || want_gamma;
+  const bool want_any = want_k || want_v || want_scalar;
+  constexpr int TR = RECATTN_CPU_BWD_TILE_ROWS, TV = RECATTN_CPU_BWD_TILE_REGS;
+  // Decays of sweep B's adjoint rows (a) and columns (b), as in the forward; sweep A holds
+  // S^T, so there the scalar gates fold into the rows (b) and gk decays the columns (a).
+  constexpr bool b_row = Policy::decay_k, b_col = Policy::decay_v;
+  constexpr bool a_row = Policy::has_g || Policy::has_g_gamma || Policy::has_gv, a_col = Policy::has_gk;
+  const Acc scale = Acc(p.scale);
+
+  // All scratch is taken before anything is written.
+  d::aligned_buffer<Acc> scratch_b(plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b) + 1);
+  d::aligned_buffer<Acc> scratch_a(plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a) + 1);
+  std::vector<double> consts(std::size_t(p.N * p.H * (K + V + 4)), 0.0);
+  std::vector<float> token_scratch(plan.token_scratch / sizeof(float));
+  // Sweep B's lane partials of dk must be zero in the padding rows [K, Kp).
+  std::fill_n(scratch_b.get(), plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b), Acc(0));
+  std::fill_n(scratch_a.get(), plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a), Acc(0));
+
+  std::size_t scratch_used = 0;
+  auto partial_for = [&](bool want, const strided3& out, std::int64_t width) {
+    d::partial_rows r;
+    if (!want) return r;
+    if (out.type == dtype::float32 || out.type == dtype::float64) {
+      r.data = backward_problem::data(out);
+      r.type = out.type;
+      r.s0 = out.s0;
+      r.s1 = out.s1;
+      r.s2 = out.s2;
+    } else {
+      r.data = token_scratch.data() + scratch_used;
+      r.type = dtype::float32;
+      r.s2 = width;
+      r.s1 = p.H * width;
+      r.s0 = p.T * p.H * width;
+      scratch_used += std::size_t(p.B * p.T * p.H * width);
+    }
+    return r;
+  };
+  const d::partial_rows part_k = partial_for(want_k, bp.dgk, K);
+  const d::partial_rows part_v = partial_for(want_v, bp.dgv, V);
+  const d::partial_rows part_s = partial_for(want_s, bp.dg, 1);
+  // consts[(n * H + h)]: rowsum(dh0 .* h0) + sum_j k.dk [K], colsum + sum_j v.dv [V],
+  // sum + sum_j sum_a k.dk, sum(dh0 .* h0), sum_j (L-1-j) sum_a k.dk, and sweep A's dg_gamma.
+  const std::int64_t cstride = K + V + 4;
+  auto cst = [&](std::int64_t n, std::int64_t h) { return consts.data() + std::size_t((n * p.H + h) * cstride); };
+
+  const T* qd = static_cast<const T*>(p.q.data);
+  const T* kd = static_cast<const T*>(p.k.data);
+  const T* vd = static_cast<const T*>(p.v.data);
+  const T* dod = static_cast<const T*>(bp.d_out.data);
+  auto gate_row = [](const strided3& g, std::int64_t off) {
+    return static_cast<const char*>(g.data) + std::size_t(off) * dtype_size(g.type);
+  };
+  auto gamma_of = [&](std::int64_t n, std::int64_t h) {
+    if constexpr (Policy::has_g_gamma) return load_as<Acc>(p.g_gamma.data, p.g_gamma.type, p.g_gamma.offset(n, h, 0));
+    else return Acc(0);
+  };
+
+  // ---- Sweep B: the adjoint, in reverse processing order. ----
+  parallel_for(plan.items_b, plan.threads_b, [&](std::int64_t item, int worker) {
+    const std::int64_t hb = (item % (p.H / Gb)) * Gb;
+    const std::int64_t n = item / (p.H / Gb);
+    const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
+    const std::int64_t bidx = seq.batch, L = seq.len;
+    Acc* base = scratch_b.get() + plan.per_b / sizeof(Acc) * std::size_t(worker);
+    Acc* Sall = base;
+    Acc* qs = Sall + Gb * K * Vp;
+    Acc* ks = qs + C * Kp;
+    Acc* drs = ks + C * Kp;
+    Acc* vs = drs + C * Kp;
+    Acc* dos = vs + C * Vp;
+    Acc* dcs = dos + C * Vp;
+    Acc* dkh = dcs + C * Vp;
+    Acc* dvh = dkh + C * Kp;
+    Acc* dkg = dvh + C * Vp;
+    Acc* dvg = dkg + nk * C * Kp;
+    Acc* kpart = dvg + nv * C * Vp;
+    double* run = reinterpret_cast<double*>(kpart + C * Kp * W);  // [Gb][K + V + 2]
+    double* tmp = run + Gb * (K + V + 2);                              // [2 (K + V)]
+    const std::int64_t rs = K + V + 2;
+    for (std::int64_t i = 0; i < Gb * rs; ++i) run[i] = 0.0;
+
+    for (std::int64_t hl = 0; hl < Gb; ++hl)
+      d::load_state<Acc>(p, bp.d_ht, n, hb + hl, false, K, 0, V, Sall + hl * K * Vp, Vp);
+
+    const std::int64_t nchunks = (L + C - 1) / C;
+    for (std::int64_t ci = nchunks - 1; ci >= 0; --ci) {
+      const std::int64_t i0 = ci * C, cl = std::min(C, L - i0);
+      std::fill_n(dkg, nk * C * Kp, Acc(0));
+      std::fill_n(dvg, nv * C * Vp, Acc(0));
+      for (std::int64_t hl = 0; hl < Gb; ++hl) {
+        const std::int64_t h = hb + hl;
+        const Acc gamma = gamma_of(n, h);
+        for (std::int64_t l = 0; l < cl; ++l) {
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qs + l * Kp, scale);
+          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, ks + l * Kp);
+          if constexpr (b_row) {
+            Acc* dr = drs + l * Kp;
+            Acc g0 = gamma;
+            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+            if constexpr (Policy::has_gk) {
+              d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h)), p.gk.type, K, dr);
+              for (std::int64_t a = K; a < Kp; ++a) dr[a] = Acc(0);
+              d::exp_row(dr, Kp, g0);
+            } else {
+              const Acc e = std::exp(g0);
+              for (std::int64_t a = 0; a < Kp; ++a) dr[a] = e;
+            }
+          }
+          Acc* vr = vs + l * Vp;
+          Acc* dr = dos + l * Vp;
+          d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
+          d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr);
+          for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
+          if constexpr (b_col) {
+            Acc* er = dcs + l * Vp;
+            d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, er);
+            for (std::int64_t j = V; j < Vp; ++j) er[j] = Acc(0);
+            d::exp_row(er, Vp, Acc(0));
+          }
+        }
+        std::fill_n(dvh, cl * Vp, Acc(0));
+        Acc* S = Sall + hl * K * Vp;
+        d::for_each_tile<Acc, TR, TV>(K, Vp, [&](auto r, auto nvr, std::int64_t a, std::int64_t j0) {
+          d::adjoint_tile<Acc, b_row, b_col, decltype(r)::value, decltype(nvr)::value>(
+              cl, qs + a, ks + a, drs + a, Kp, vs + j0, dos + j0, dcs + j0, Vp, S + a * Vp + j0, Vp, dvh + j0,
+              kpart + a * W, j0 == 0);
+        });
+        d::reduce_lanes(cl, Kp, kpart, dkh, Kp);
+
+        // Per-head gate bookkeeping (reverse order: suffix sums), then the group sums.
+        double* rK = run + hl * rs;
+        double* rV = rK + K;
+        double* rS = rV + V;  // [0] sum_j sum_a k.dk, [1] sum_j (L-1-j) sum_a k.dk
+        for (std::int64_t l = cl - 1; l >= 0; --l) {
+          const std::int64_t i = i0 + l, t = seq.template token<Policy::reverse>(i);
+          const Acc* kr = ks + l * Kp;
+          const Acc* dk = dkh + l * Kp;
+          if (want_any) {
+            double sk = 0.0;
+            for (std::int64_t a = 0; a < K; ++a) {
+              const double x = double(kr[a]) * double(dk[a]);
+              sk += x;
+              rK[a] += x;
+            }
+            if (want_k) {
+              for (std::int64_t a = 0; a < K; ++a) tmp[a] = -rK[a];
+              part_k.store(part_k.offset(bidx, t, h), K, tmp);
+            }
+            if (want_v) {
+              const Acc* vr = vs + l * Vp;
+              const Acc* dv = dvh + l * Vp;
+              for (std::int64_t j = 0; j < V; ++j) {
+                rV[j] += double(vr[j]) * double(dv[j]);
+                tmp[j] = -rV[j];
+              }
+              part_v.store(part_v.offset(bidx, t, h), V, tmp);
+            }
+            rS[0] += sk;
+            rS[1] += double(L - 1 - i) * sk;
+            if (want_s) {
+              tmp[0] = -rS[0];
+              part_s.store(part_s.offset(bidx, t, h), 1, tmp);
+            }
+          }
+          Acc* gk = dkg + (hl / gkh) * C * Kp + l * Kp;
+          Acc* gv = dvg + (hl / gvh) * C * Vp + l * Vp;
+          const Acc* dv = dvh + l * Vp;
+          for (std::int64_t a = 0; a < K; ++a) gk[a] += dk[a];
+          for (std::int64_t j = 0; j < V; ++j) gv[j] += dv[j];
+        }
+      }
+      for (std::int64_t l = 0; l < cl; ++l) {
+        const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+        for (std::int64_t x = 0; x < nk; ++x)
+          d::store_row(dkg + x * C * Kp + l * Kp, K,
+                       static_cast<T*>(backward_problem::data(bp.dk)) + bp.dk.offset(bidx, t, hb / gkh + x));
+        for (std::int64_t x = 0; x < nv; ++x)
+          d::store_row(dvg + x * C * Vp + l * Vp, V,
+                       static_cast<T*>(backward_problem::data(bp.dv)) + bp.dv.offset(bidx, t, hb / gvh + x));
+      }
+    }
+
+    // d initial_state = the adjoint now; the constants of sweep A's gate gradients.
+    for (std::int64_t hl = 0; hl < Gb; ++hl) {
+      const std::int64_t h = hb + hl;
+      const Acc* S = Sall + hl * K * Vp;
+      if (bp.dh0.data) {
+        Acc* dst = static_cast<Acc*>(backward_problem::data(bp.dh0));
+        for (std::int64_t a = 0; a < K; ++a)
+          for (std::int64_t j = 0; j < V; ++j) dst[d::state_offset(p, bp.dh0, n, h, a, j)] = S[a * Vp + j];
+      }
+      if (!want_any) continue;
+      double* cs = cst(n, h);
+      const double* rK = run + hl * rs;
+      double c0 = 0.0;
+      for (std::int64_t x = 0; x < K + V; ++x) cs[x] = 0.0;
+      if (p.h0.data) {
+        const Acc* h0 = static_cast<const Acc*>(p.h0.data);
+        for (std::int64_t a = 0; a < K; ++a)
+          for (std::int64_t j = 0; j < V; ++j) {
+            const double x = double(S[a * Vp + j]) * double(h0[d::state_offset(p, p.h0, n, h, a, j)]);
+            cs[a] += x;
+            cs[K + j] += x;
+            c0 += x;
+          }
+      }
+      for (std::int64_t x = 0; x < K + V; ++x) cs[x] += rK[x];
+      cs[K + V] = c0 + rK[K + V];      // dg constant
+      cs[K + V + 1] = c0;               // sum(dh0 .* h0), for dg_gamma
+      cs[K + V + 2] = rK[K + V + 1];    // sum_j (L-1-j) sum_a k.dk
+    }
+  });
+
+  // ---- Sweep A: the state (as S^T), in processing order. ----
+  const std::int64_t nkb = plan.nkb;
+  parallel_for(plan.items_a, plan.threads_a, [&](std::int64_t item, int worker) {
+    const std::int64_t kb = item % nkb;
+    const std::int64_t hg = (item / nkb) % (p.H / Ga);
+    const std::int64_t n = item / (nkb * (p.H / Ga));
+    const std::int64_t hb = hg * Ga;
+    const std::int64_t a0 = kb * bk, w = std::min(bk, K - a0), wp = d::round_up(w, W);
+    const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
+    const std::int64_t bidx = seq.batch, L = seq.len;
+    Acc* base = scratch_a.get() + plan.per_a / sizeof(Acc) * std::size_t(worker);
+    Acc* Sall = base;  // [Ga][V][wp]
+    Acc* dos = Sall + Ga * V * bk;
+    Acc* vs = dos + C * Vp;
+    Acc* drs = vs + C * Vp;
+    Acc* ks = drs + C * Vp;
+    Acc* qs = ks + C * bk;
+    Acc* dcs = qs + C * bk;
+    Acc* dqh = dcs + C * bk;
+    Acc* dqg = dqh + C * bk;
+    Acc* oh = dqg + C * bk;
+    Acc* opart = oh + C * Vp;
+    double* run = reinterpret_cast<double*>(opart + C * Vp * W);  // [Ga][w + V + 2]
+    double* tmp = run + Ga * (bk + V + 2);
+    double* tmp2 = tmp + (K + V);
+    const std::int64_t rs = bk + V + 2;
+    for (std::int64_t i = 0; i < Ga * rs; ++i) run[i] = 0.0;
+    for (std::int64_t hl = 0; hl < Ga; ++hl)
+      d::load_state<Acc>(p, p.h0, n, hb + hl, true, V, a0, w, Sall + hl * V * wp, wp);
+
+    for (std::int64_t i0 = 0; i0 < L; i0 += C) {
+      const std::int64_t cl = std::min(C, L - i0);
+      std::fill_n(dqg, cl * wp, Acc(0));
+      for (std::int64_t hl = 0; hl < Ga; ++hl) {
+        const std::int64_t h = hb + hl;
+        const Acc gamma = gamma_of(n, h);
+        for (std::int64_t l = 0; l < cl; ++l) {
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+          Acc* dr = dos + l * Vp;
+          Acc* vr = vs + l * Vp;
+          d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr, scale);
+          d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
+          for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
+          if constexpr (a_row) {
+            Acc* er = drs + l * Vp;
+            Acc g0 = gamma;
+            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+            if constexpr (Policy::has_gv) {
+              d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, er);
+              for (std::int64_t j = V; j < Vp; ++j) er[j] = Acc(0);
+              d::exp_row(er, Vp, g0);
+            } else {
+              const Acc e = std::exp(g0);
+              for (std::int64_t j = 0; j < Vp; ++j) er[j] = e;
+            }
+          }
+          Acc* kr = ks + l * wp;
+          Acc* qr = qs + l * wp;
+          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh) + a0, p.type, w, kr);
+          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq) + a0, p.type, w, qr);
+          for (std::int64_t j = w; j < wp; ++j) kr[j] = qr[j] = Acc(0);
+          if constexpr (a_col) {
+            Acc* er = dcs + l * wp;
+            d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), p.gk.type, w, er);
+            for (std::int64_t j = w; j < wp; ++j) er[j] = Acc(0);
+            d::exp_row(er, wp, Acc(0));
+          }
+        }
+        std::fill_n(dqh, cl * wp, Acc(0));
+        Acc* S = Sall + hl * V * wp;
+        auto sweep = [&](auto need_o) {
+          constexpr bool NO = decltype(need_o)::value;
+          d::for_each_tile<Acc, TR, TV>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
+            d::state_tile<Acc, a_row, a_col, NO, decltype(r)::value, decltype(nvr)::value>(
+                cl, dos + b, vs + b, drs + b, Vp, ks + j0, qs + j0, dcs + j0, wp, S + b * wp + j0, wp, dqh + j0,
+                opart + b * W, j0 == 0);
+          });
+          if constexpr (NO) d::reduce_lanes(cl, Vp, opart, oh, Vp);
+        };
+        if (plan.need_o) sweep(std::true_type{});
+        else sweep(std::false_type{});
+
+        // Per-head gate bookkeeping (prefix sums), final gate gradients, group sum of dq.
+        double* pK = run + hl * rs;
+        double* pV = pK + bk;
+        double* pS = pV + V;  // [0] sum_{j<i} sum_a q.dq, [1] sum_j (L-1-j) sum_a q.dq
+        for (std::int64_t l = 0; l < cl; ++l) {
+          const std::int64_t i = i0 + l, t = seq.template token<Policy::reverse>(i);
+          const Acc* qr = qs + l * wp;
+          const Acc* dq = dqh + l * wp;
+          if (want_any) {
+            const double* cs = cst(n, h);
+            double sq = 0.0;
+            for (std::int64_t a = 0; a < w; ++a) tmp2[a] = double(qr[a]) * double(dq[a]);
+            for (std::int64_t a = 0; a < w; ++a) sq += tmp2[a];
+            if (want_k) {
+              const std::int64_t off = part_k.offset(bidx, t, h) + a0;
+              part_k.load(off, w, tmp);
+              for (std::int64_t a = 0; a < w; ++a) {
+                tmp[a] += cs[a0 + a] - pK[a];
+                pK[a] += tmp2[a];
+              }
+              d::store_row_as(backward_problem::data(bp.dgk), bp.dgk.type, bp.dgk.offset(bidx, t, h) + a0, w, tmp);
+            }
+            if (want_v) {
+              const Acc* o = oh + l * Vp;
+              const Acc* dr = dos + l * Vp;
+              part_v.load(part_v.offset(bidx, t, h), V, tmp);
+              for (std::int64_t j = 0; j < V; ++j) {
+                tmp[j] += cs[K + j] - pV[j];
+                pV[j] += double(o[j]) * double(dr[j]);
+              }
+              d::store_row_as(backward_problem::data(bp.dgv), bp.dgv.type, bp.dgv.offset(bidx, t, h), V, tmp);
+            }
+            if (want_s) {
+              part_s.load(part_s.offset(bidx, t, h), 1, tmp);
+              tmp[0] += cs[K + V] - pS[0];
+              d::store_row_as(backward_problem::data(bp.dg), bp.dg.type, bp.dg.offset(bidx, t, h), 1, tmp);
+            }
+            pS[0] += sq;
+            pS[1] += double(L - 1 - i) * sq;
+          }
+          Acc* g = dqg + l * wp;
+          for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a];
+        }
+      }
+      for (std::int64_t l = 0; l < cl; ++l) {
+        const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+        d::store_row(dqg + l * wp, w, static_cast<T*>(backward_problem::data(bp.dq)) + bp.dq.offset(bidx, t, hb / gq) + a0);
+      }
+    }
+    if (want_gamma)
+      for (std::int64_t hl = 0; hl < Ga; ++hl) {
+        double* cs = cst(n, hb + hl);
+        const double* pS = run + hl * rs + bk + V;
+        // dg_gamma = sum_i dg_i = L * sum(dh0 .* h0) + sum_j (L-1-j) sum_a (k.dk - q.dq)
+        cs[K + V + 3] = double(L) * cs[K + V + 1] + cs[K + V + 2] - pS[1];
+      }
+  });
+
+  if (want_gamma) {
+    void* dst = backward_problem::data(bp.dg_gamma);
+    for (std::int64_t h = 0; h < p.H; ++h) {
+      if (bp.dg_gamma_summed) {
+        double s = 0.0;
+        for (std::int64_t n = 0; n < p.N; ++n) s += cst(n, h)[K + V + 3];
+        store_as(dst, bp.dg_gamma.type, bp.dg_gamma.offset(0, h, 0), s);
+      } else {
+        for (std::int64_t n = 0; n < p.N; ++n)
+          store_as(dst, bp.dg_gamma.type, bp.dg_gamma.offset(n, h, 0), cst(n, h)[K + V + 3]);
+      }
+    }
+  }
+}
+
+/// The scratch one backward call takes (bytes), by the same plan as the kernel.
+inline backward_workspace backward_workspace_of(const backward_problem& bp, const cfg& c) {
+  auto of = [&](auto acc) {
+    using Acc = decltype(acc);
+    const detail::backward_plan<Acc> plan(bp, c);
+    backward_workspace w;
+    w.per_thread_b = plan.per_b;
+    w.per_thread_a = plan.per_a;
+    w.threads_b = plan.threads_b;
+    w.threads_a = plan.threads_a;
+    w.shared = plan.consts;
+    w.token_scratch = plan.token_scratch;
+    return w;
+  };
+  return bp.fwd.type == dtype::float64 ? of(double{}) : of(float{});
+}
+
+}  // namespace recattn::cpu
