@@ -75,6 +75,11 @@ inline std::int64_t element_offset(const tensor_view& v, const idx& i) {
   return o;
 }
 
+/// The strides of a view, one per dimension.
+inline std::vector<std::int64_t> strides_of(const tensor_view& v) {
+  return {v.strides().begin(), v.strides().begin() + v.rank()};
+}
+
 /// Element `i` of any view, as double.
 inline double element(const tensor_view& v, const idx& i) {
   return load_as<double>(v.data(), v.type(), element_offset(v, i));
