@@ -283,6 +283,18 @@ inline void load_state(const problem& p, const strided3& st, std::int64_t n, std
     }
 }
 
+/// Asks for the n elements of size es at p to be brought into cache (the next chunk's rows,
+/// while the current one is computed: the inputs are read at a stride of H rows).
+inline void prefetch(const void* p, std::int64_t n, std::size_t es) {
+#if defined(__GNUC__)
+  const char* c = static_cast<const char*>(p);
+  const std::int64_t bytes = n * std::int64_t(es);
+  for (std::int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+#else
+  (void)p; (void)n; (void)es;
+#endif
+}
+
 inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(a, b) * b; }
 
 }  // namespace detail
@@ -328,7 +340,9 @@ struct backward_plan {
     if (need_o || want_s || want_gamma) {
       bk = Kp;
     } else {
-      bk = std::min<std::int64_t>(Kp, 4 * W);
+      // Whole rows unless there are too few items for the threads: a key block re-reads
+      // the value-side inputs of its tokens.
+      bk = Kp;
       while (bk > W && p.N * (p.H / Ga) * ((Kp + bk - 1) / bk) < 2 * threads) bk = round_up(bk / 2, W);
     }
     nkb = (Kp + bk - 1) / bk;
@@ -497,6 +511,19 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
             d::exp_row(er, Vp, Acc(0));
           }
         }
+        if (ci > 0)
+          for (std::int64_t l = 0; l < C; ++l) {
+            const std::int64_t t = seq.template token<Policy::reverse>(i0 - C + l);
+            d::prefetch(qd + p.q.offset(bidx, t, h / gq), K, sizeof(T));
+            d::prefetch(kd + p.k.offset(bidx, t, h / gkh), K, sizeof(T));
+            d::prefetch(vd + p.v.offset(bidx, t, h / gvh), V, sizeof(T));
+            d::prefetch(dod + bp.d_out.offset(bidx, t, h), V, sizeof(T));
+            if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h)), K, dtype_size(p.gk.type));
+            if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
+            if (want_k)
+              d::prefetch(static_cast<const char*>(part_k.data) + part_k.offset(bidx, t, h) * dtype_size(part_k.type), K,
+                          dtype_size(part_k.type));
+          }
         std::fill_n(dvh, cl * Vp, Acc(0));
         Acc* S = Sall + hl * K * Vp;
         d::for_each_tile<Acc, TR, TV>(K, Vp, [&](auto r, auto nvr, std::int64_t a, std::int64_t j0) {
@@ -515,14 +542,15 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           const Acc* kr = ks + l * Kp;
           const Acc* dk = dkh + l * Kp;
           if (want_any) {
+            // Kept apart so that each loop vectorizes (the scalar sum is ordered).
             double sk = 0.0;
-            for (std::int64_t a = 0; a < K; ++a) {
-              const double x = double(kr[a]) * double(dk[a]);
-              sk += x;
-              rK[a] += x;
-            }
+            if (want_scalar)
+              for (std::int64_t a = 0; a < K; ++a) sk += double(kr[a]) * double(dk[a]);
             if (want_k) {
-              for (std::int64_t a = 0; a < K; ++a) tmp[a] = -rK[a];
+              for (std::int64_t a = 0; a < K; ++a) {
+                rK[a] += double(kr[a]) * double(dk[a]);
+                tmp[a] = -rK[a];
+              }
               part_k.store(part_k.offset(bidx, t, h), K, tmp);
             }
             if (want_v) {
@@ -614,7 +642,6 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     Acc* opart = oh + C * Vp;
     double* run = reinterpret_cast<double*>(opart + C * Vp * W);  // [Ga][w + V + 2]
     double* tmp = run + Ga * (bk + V + 2);
-    double* tmp2 = tmp + (K + V);
     const std::int64_t rs = bk + V + 2;
     for (std::int64_t i = 0; i < Ga * rs; ++i) run[i] = 0.0;
     for (std::int64_t hl = 0; hl < Ga; ++hl)
@@ -658,6 +685,19 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
             d::exp_row(er, wp, Acc(0));
           }
         }
+        if (i0 + C < L)
+          for (std::int64_t l = 0; l < std::min(C, L - i0 - C); ++l) {
+            const std::int64_t t = seq.template token<Policy::reverse>(i0 + C + l);
+            d::prefetch(dod + bp.d_out.offset(bidx, t, h), V, sizeof(T));
+            d::prefetch(vd + p.v.offset(bidx, t, h / gvh), V, sizeof(T));
+            d::prefetch(kd + p.k.offset(bidx, t, h / gkh) + a0, w, sizeof(T));
+            d::prefetch(qd + p.q.offset(bidx, t, h / gq) + a0, w, sizeof(T));
+            if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), w, dtype_size(p.gk.type));
+            if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
+            if (want_k)
+              d::prefetch(static_cast<const char*>(part_k.data) + (part_k.offset(bidx, t, h) + a0) * dtype_size(part_k.type), w,
+                          dtype_size(part_k.type));
+          }
         std::fill_n(dqh, cl * wp, Acc(0));
         Acc* S = Sall + hl * V * wp;
         auto sweep = [&](auto need_o) {
@@ -683,14 +723,14 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           if (want_any) {
             const double* cs = cst(n, h);
             double sq = 0.0;
-            for (std::int64_t a = 0; a < w; ++a) tmp2[a] = double(qr[a]) * double(dq[a]);
-            for (std::int64_t a = 0; a < w; ++a) sq += tmp2[a];
+            if (want_scalar)
+              for (std::int64_t a = 0; a < w; ++a) sq += double(qr[a]) * double(dq[a]);
             if (want_k) {
               const std::int64_t off = part_k.offset(bidx, t, h) + a0;
               part_k.load(off, w, tmp);
               for (std::int64_t a = 0; a < w; ++a) {
                 tmp[a] += cs[a0 + a] - pK[a];
-                pK[a] += tmp2[a];
+                pK[a] += double(qr[a]) * double(dq[a]);
               }
               d::store_row_as(backward_problem::data(bp.dgk), bp.dgk.type, bp.dgk.offset(bidx, t, h) + a0, w, tmp);
             }
