@@ -13,6 +13,10 @@
 #include "error.hpp"
 #include "tensor.hpp"
 
+#if RECATTN_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace recattn {
 
 /// Optional tensors and flags of the forward operation (ejkernel's keyword arguments).
@@ -217,10 +221,27 @@ inline problem make_problem(const tensor_view& q, const tensor_view& k, const te
     p.N = cu.size(0) - 1;
     p.cu_seqlens = cu.data();
     p.cu_type = cu.type();
-    std::int64_t prev = load_as<std::int64_t>(cu.data(), cu.type(), 0);
+    const void* cu_host = cu.data();
+#if RECATTN_HAS_CUDA
+    // cu_seqlens in device memory: validate a host copy (the kernels read the original).
+    std::vector<unsigned char> cu_copy;
+    cudaPointerAttributes cu_attr{};
+    if (cudaPointerGetAttributes(&cu_attr, cu.data()) != cudaSuccess) {
+      (void)cudaGetLastError();  // no device, or not a CUDA pointer: read it as host memory
+    } else if (cu_attr.type == cudaMemoryTypeDevice) {
+      cu_copy.resize(std::size_t(cu.size(0)) * dtype_size(cu.type()));
+      const cudaError_t e = cudaMemcpy(cu_copy.data(), cu.data(), cu_copy.size(), cudaMemcpyDeviceToHost);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        fail("cu_seqlens", "device memory that can be copied to the host", cudaGetErrorString(e));
+      }
+      cu_host = cu_copy.data();
+    }
+#endif
+    std::int64_t prev = load_as<std::int64_t>(cu_host, cu.type(), 0);
     if (prev != 0) fail("cu_seqlens", "cu_seqlens[0] = 0", cat("cu_seqlens[0] = ", prev));
     for (std::int64_t i = 1; i <= p.N; ++i) {
-      const std::int64_t c = load_as<std::int64_t>(cu.data(), cu.type(), i);
+      const std::int64_t c = load_as<std::int64_t>(cu_host, cu.type(), i);
       if (c < prev)
         fail("cu_seqlens", cat("non-decreasing values (cu_seqlens[", i, "] >= ", prev, ")"),
              cat("cu_seqlens[", i, "] = ", c));

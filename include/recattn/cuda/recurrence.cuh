@@ -1,0 +1,426 @@
+// The CUDA forward kernel: one kernel for every gate policy, direction, layout, dtype and
+// state layout (the policy of policy.hpp, through kernel_traits), for every K up to 256.
+//
+// A thread block owns one (sequence n, head h, block of value columns); its NW warps own
+// 8 consecutive columns each. In a warp, lane = rg + 16 * cg holds the state rows
+//   a = j * 16 * VW + rg * VW + e     (j < R / VW, e < VW, VW = min(R, 4))
+// of the 4 columns cg * 4 .. cg * 4 + 3, in registers (float; double for double inputs):
+// R * 4 accumulators per lane, 16 R >= K. Per token a lane updates its R x 4 slice and
+// forms partial sums of q . S over its rows; a butterfly over the 16 lanes of a column
+// group (xor 8, 4, 2, 1: five shuffles) leaves each column's total on one lane.
+//
+// Tokens move in chunks: the raw bytes of q, k, v, gk, gv for chunk c + 2 are copied with
+// cp.async (two stages in flight) while chunk c is computed; before its turn a chunk is
+// converted once per block into an Acc tile, with q pre-scaled and every gate already
+// exponentiated (exp(g + g_gamma + gk) per row, exp(gv) per column), so the inner loop is
+// multiplies and adds only. The output tile is written back with coalesced stores.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../dtype.hpp"
+#include "../policy.hpp"
+#include "common.cuh"
+
+/// Tokens of the inner loop unrolled (overlaps one token's reduction with the next's update).
+#ifndef RECATTN_CUDA_TOKEN_UNROLL
+#define RECATTN_CUDA_TOKEN_UNROLL 1
+#endif
+
+namespace recattn::cuda {
+
+/// A tensor read one row (token) at a time: element (i0, t, i2, col) at
+/// data + (i0 * s0 + t * s1 + i2 * s2 + col) * es.
+struct row_tensor {
+  const char* data = nullptr;
+  std::int64_t s0 = 0, s1 = 0, s2 = 0;
+  int es = 0;     ///< element size in bytes
+  int align = 0;  ///< cp.async unit: 16, 8 or 4 bytes; 0: plain loads (2-byte alignment only)
+  dtype type = dtype::float32;
+};
+
+/// The kernel's arguments: plain values, no host-only members.
+struct forward_params {
+  row_tensor q, k, v, gk, gv;
+  const void* g = nullptr;  ///< [B, T, H] scalar gate; null: absent
+  dtype g_type = dtype::float32;
+  std::int64_t g_s0 = 0, g_s1 = 0, g_s2 = 0;
+  const void* g_gamma = nullptr;  ///< null: absent
+  dtype gamma_type = dtype::float32;
+  std::int64_t gamma_s0 = 0, gamma_s1 = 0;
+  const void* h0 = nullptr;  ///< initial state, Acc; null: zeros
+  std::int64_t h0_s0 = 0, h0_s1 = 0, h0_s2 = 0;
+  void* ht = nullptr;  ///< final state, Acc; null: not returned
+  std::int64_t ht_s0 = 0, ht_s1 = 0, ht_s2 = 0;
+  void* out = nullptr;
+  std::int64_t out_s0 = 0, out_s1 = 0, out_s2 = 0;
+  const void* cu_seqlens = nullptr;  ///< device memory; null: dense
+  bool cu_int64 = true;
+  bool reverse = false;
+  bool kv_layout = true;  ///< state [K, V] (else [V, K])
+  std::int64_t T = 0;
+  int H = 0, gq = 1, gk_heads = 1, gv_heads = 1;  ///< H / Hq, H / Hk, H / Hv
+  int K = 0, V = 0;
+  int nvb = 1;    ///< value blocks per head
+  int chunk = 16; ///< tokens per stage
+  double scale = 1.0;
+  // Shared-memory layout, bytes (computed by the launcher, see smem_layout).
+  int raw_q = 0, raw_gk = 0, raw_v = 0, raw_gv = 0;  ///< row pitch of each raw tensor
+  int raw_stage = 0;                                 ///< bytes of one raw stage
+};
+
+namespace detail {
+
+/// Byte offsets of the regions of one raw stage and of the converted tile.
+struct smem_layout {
+  int raw_q, raw_gk, raw_v, raw_gv, stage;
+  std::size_t tile_elems;  ///< Acc elements of the converted tile
+  std::size_t bytes;       ///< total dynamic shared memory
+};
+
+inline int round16(std::int64_t b) { return int((b + 15) / 16 * 16); }
+
+/// Shared memory of a block: two raw stages, the gate scalars of two stages, the Acc tile.
+inline smem_layout make_smem_layout(int K, int Kp, int bv, int chunk, int es, int gk_es, int gv_es, bool has_gk,
+                                    bool has_gv, bool col_decay, int acc_size) {
+  smem_layout s;
+  s.raw_q = round16(std::int64_t(K) * es);
+  s.raw_gk = has_gk ? round16(std::int64_t(K) * gk_es) : 0;
+  s.raw_v = round16(std::int64_t(bv) * es);
+  s.raw_gv = has_gv ? round16(std::int64_t(bv) * gv_es) : 0;
+  s.stage = chunk * (2 * s.raw_q + s.raw_gk + s.raw_v + s.raw_gv);
+  // tile: q, k, dk [chunk][Kp]; v, dv, o [chunk][bv]; gate scalars [2][chunk]
+  s.tile_elems = std::size_t(chunk) * (std::size_t(Kp) * (has_gk ? 3 : 2) + std::size_t(bv) * (col_decay ? 3 : 2)) +
+                 2 * std::size_t(chunk);
+  s.bytes = 2 * std::size_t(s.stage) + s.tile_elems * std::size_t(acc_size);
+  return s;
+}
+
+template <class Acc, int N>
+__device__ __forceinline__ void load_vec(Acc (&dst)[N], const Acc* src) {
+  const avec<Acc, N> x = *reinterpret_cast<const avec<Acc, N>*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) dst[i] = x.v[i];
+}
+
+/// Copies `count` elements of the rows of chunk tokens [i0, i0 + cl) of x into the raw stage
+/// (row pitch `pitch`). Aligned tensors go by cp.async; others by plain loads.
+__device__ __forceinline__ void stage_rows(unsigned char* dst, int pitch, const row_tensor& x, std::int64_t base,
+                                           int count, bool reverse, std::int64_t begin, std::int64_t len,
+                                           std::int64_t i0, int cl, int warp, int nw, int lane) {
+  const int bytes = count * x.es;
+  if (x.align) {
+    const int A = x.align;
+    const int units = (bytes + A - 1) / A;
+    for (int l = warp; l < cl; l += nw) {
+      const std::int64_t t = begin + (reverse ? len - 1 - (i0 + l) : i0 + l);
+      const char* src = x.data + (base + t * x.s1) * x.es;
+      unsigned char* d = dst + l * pitch;
+      for (int u = lane; u < units; u += 32) {
+        const int n = min(A, bytes - u * A);
+        if (A == 16) cp_async<16>(d + u * 16, src + u * 16, n);
+        else if (A == 8) cp_async<8>(d + u * 8, src + u * 8, n);
+        else cp_async<4>(d + u * 4, src + u * 4, n);
+      }
+    }
+  } else {
+    // 2-byte aligned rows (odd sizes of 16-bit types, odd strides): plain loads.
+    for (int l = warp; l < cl; l += nw) {
+      const std::int64_t t = begin + (reverse ? len - 1 - (i0 + l) : i0 + l);
+      const char* src = x.data + (base + t * x.s1) * x.es;
+      unsigned char* d = dst + l * pitch;
+      for (int e = lane; e < count; e += 32) {
+        if (x.es == 2) reinterpret_cast<std::uint16_t*>(d)[e] = reinterpret_cast<const std::uint16_t*>(src)[e];
+        else if (x.es == 4) reinterpret_cast<std::uint32_t*>(d)[e] = reinterpret_cast<const std::uint32_t*>(src)[e];
+        else reinterpret_cast<std::uint64_t*>(d)[e] = reinterpret_cast<const std::uint64_t*>(src)[e];
+      }
+    }
+  }
+}
+
+/// Converts raw row elements (dtype of x: T, or float for float gates) to Acc.
+template <class T, class Acc>
+__device__ __forceinline__ Acc raw_at(const unsigned char* row, int i, dtype t) {
+  if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+    if (t == dtype::float32) return Acc(reinterpret_cast<const float*>(row)[i]);
+    return Acc(reinterpret_cast<const T*>(row)[i]);
+  } else {
+    if (t == dtype::float32) return Acc(reinterpret_cast<const float*>(row)[i]);
+    return to_acc<Acc>(reinterpret_cast<const T*>(row)[i]);
+  }
+}
+
+}  // namespace detail
+
+/// The part of a forward_policy the inner loop is compiled for: is there a decay per key
+/// row (gk, with g and g_gamma folded in) and one per value column (gv; or g and g_gamma
+/// when there is no gk, folded into the column factors as exp(gv + g + g_gamma)). The rest
+/// (direction, varlen, state layout, which scalar gates are present) is read per chunk or
+/// per block, never per state element, so it is passed as uniform run-time values: the 256
+/// specializations per dtype that dispatch_forward reaches share 4 kernels per K class,
+/// which keeps the build of a CUDA translation unit in minutes rather than hours.
+template <class Policy>
+struct kernel_traits {
+  static constexpr bool row = Policy::has_gk;
+  static constexpr bool col = Policy::has_gv || (!Policy::has_gk && (Policy::has_g || Policy::has_g_gamma));
+};
+
+/// The forward kernel. Grid: one block per (n, h, value block); block: NW warps of 8 columns.
+// Up to 8 warps a block; with R = 4 (K <= 64) two blocks a multiprocessor (128 registers).
+template <class T, bool RowDecay, bool ColDecay, int R>
+__global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const forward_params p) {
+  using Acc = accum_t<T>;
+  using namespace detail;
+  constexpr int RG = 16, C = 4;
+  constexpr int Kp = RG * R;
+  constexpr int VW = R >= 4 ? 4 : R;
+  constexpr int NJ = R / VW;
+  constexpr bool gk_vec = RowDecay;   // dk tile: exp(gk + g + g_gamma) per key row
+  constexpr bool dv_gate = ColDecay;  // dv tile: exp(gv [+ g + g_gamma without gk]) per column
+  const bool reverse = p.reverse;
+  const bool kv_layout = p.kv_layout;
+  const bool has_g = p.g != nullptr;
+  const bool has_gv = p.gv.data != nullptr;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int nw = int(blockDim.x) >> 5;
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
+  const int bv = nw * 8;
+  const int chunk = p.chunk;
+
+  const int vb = int(blockIdx.x % unsigned(p.nvb));
+  const int h = int((blockIdx.x / unsigned(p.nvb)) % unsigned(p.H));
+  const std::int64_t n = std::int64_t(blockIdx.x / unsigned(p.nvb) / unsigned(p.H));
+  const int b0 = vb * bv;
+  const int w = min(bv, p.V - b0);  // real columns of this block
+
+  std::int64_t begin = 0, len = p.T, bidx = n;
+  if (p.cu_seqlens) {
+    bidx = 0;
+    if (p.cu_int64) {
+      begin = static_cast<const std::int64_t*>(p.cu_seqlens)[n];
+      len = static_cast<const std::int64_t*>(p.cu_seqlens)[n + 1] - begin;
+    } else {
+      begin = static_cast<const std::int32_t*>(p.cu_seqlens)[n];
+      len = static_cast<const std::int32_t*>(p.cu_seqlens)[n + 1] - begin;
+    }
+  }
+
+  // Shared memory: raw[2] | tile (q, k, dk | v, dv, o | ds | gs[2]).
+  Acc* tile = reinterpret_cast<Acc*>(smem + 2 * std::size_t(p.raw_stage));
+  Acc* qf = tile;
+  Acc* kf = qf + chunk * Kp;
+  Acc* dkf = kf + chunk * Kp;
+  Acc* vf = dkf + (gk_vec ? chunk * Kp : 0);
+  Acc* dvf = vf + chunk * bv;
+  Acc* of = dvf + (dv_gate ? chunk * bv : 0);
+  Acc* gs = of + chunk * bv;  // [2][chunk]: the scalar gate g of each stage
+
+  auto raw_q = [&](int s) { return smem + s * p.raw_stage; };
+  auto raw_k = [&](int s) { return raw_q(s) + chunk * p.raw_q; };
+  auto raw_gk = [&](int s) { return raw_q(s) + 2 * chunk * p.raw_q; };
+  auto raw_v = [&](int s) { return raw_q(s) + chunk * (2 * p.raw_q + p.raw_gk); };
+  auto raw_gv = [&](int s) { return raw_q(s) + chunk * (2 * p.raw_q + p.raw_gk + p.raw_v); };
+
+  const std::int64_t q_base = bidx * p.q.s0 + std::int64_t(h / p.gq) * p.q.s2;
+  const std::int64_t k_base = bidx * p.k.s0 + std::int64_t(h / p.gk_heads) * p.k.s2;
+  const std::int64_t v_base = bidx * p.v.s0 + std::int64_t(h / p.gv_heads) * p.v.s2 + b0;
+  const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
+  const std::int64_t gv_base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0;
+
+  Acc gamma = Acc(0);
+  if (p.g_gamma) gamma = load_any<Acc>(p.g_gamma, p.gamma_type, n * p.gamma_s0 + h * p.gamma_s1);
+
+  const int nchunks = int((len + chunk - 1) / chunk);
+  auto chunk_len = [&](int c) {
+    const std::int64_t r = len - std::int64_t(c) * chunk;
+    return r < chunk ? int(r) : chunk;
+  };
+  auto load_g = [&](int c) -> Acc {  // this thread's token of chunk c
+    const std::int64_t i = std::int64_t(c) * chunk + tid;
+    const std::int64_t t = begin + (reverse ? len - 1 - i : i);
+    return load_any<Acc>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + std::int64_t(h) * p.g_s2);
+  };
+  auto issue = [&](int c) {  // copies of chunk c into stage c & 1
+    const int s = c & 1;
+    const std::int64_t i0 = std::int64_t(c) * chunk;
+    const int cl = chunk_len(c);
+    stage_rows(raw_q(s), p.raw_q, p.q, q_base, p.K, reverse, begin, len, i0, cl, warp, nw, lane);
+    stage_rows(raw_k(s), p.raw_q, p.k, k_base, p.K, reverse, begin, len, i0, cl, warp, nw, lane);
+    if constexpr (gk_vec) stage_rows(raw_gk(s), p.raw_gk, p.gk, gk_base, p.K, reverse, begin, len, i0, cl, warp, nw, lane);
+    stage_rows(raw_v(s), p.raw_v, p.v, v_base, w, reverse, begin, len, i0, cl, warp, nw, lane);
+    if (dv_gate && has_gv) stage_rows(raw_gv(s), p.raw_gv, p.gv, gv_base, w, reverse, begin, len, i0, cl, warp, nw, lane);
+  };
+
+  // The lane's slice of the state.
+  const int rg = lane & 15, cg = lane >> 4;
+  const int col0 = warp * 8 + cg * C;  // first column of the lane, inside the block
+  Acc S[R][C];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < VW; ++e)
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int a = j * RG * VW + rg * VW + e, b = b0 + col0 + c;
+        Acc x = Acc(0);
+        if (p.h0 && a < p.K && b < p.V) {
+          const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + b
+                                             : n * p.h0_s0 + h * p.h0_s1 + b * p.h0_s2 + a;
+          x = static_cast<const Acc*>(p.h0)[off];
+        }
+        S[j * VW + e][c] = x;
+      }
+
+  // Prologue: two chunks in flight; the scalar gates of chunks 0 and 1 go straight to smem.
+  if (nchunks > 0) issue(0);
+  cp_async_commit();
+  if (nchunks > 1) issue(1);
+  cp_async_commit();
+  Acc g_next = Acc(0);  // scalar gate of chunk c + 2, held in a register until stage c & 1 is free
+  if (has_g) {
+    for (int c = 0; c < 2 && c < nchunks; ++c)
+      if (tid < chunk_len(c)) gs[c * chunk + tid] = load_g(c);
+  }
+
+  const Acc scale = Acc(p.scale);
+  const bool hi8 = (lane & 8) != 0, hi4 = (lane & 4) != 0;
+  const int out_col = col0 + (hi8 ? 2 : 0) + (hi4 ? 1 : 0);
+  const bool writer = (lane & 3) == 0;
+
+  for (int c = 0; c < nchunks; ++c) {
+    const int s = c & 1;
+    const int cl = chunk_len(c);
+    // The scalar gates of chunk c + 1 (loaded during chunk c - 1) into their stage.
+    if (has_g)
+      if (c >= 1 && c + 1 < nchunks && tid < chunk_len(c + 1)) gs[((c + 1) & 1) * chunk + tid] = g_next;
+    cp_async_wait<1>();
+    __syncthreads();  // (A) stage s has landed; the tile of chunk c - 1 has been consumed
+
+    // Write back the outputs of chunk c - 1.
+    if (c > 0) {
+      const int pl = chunk_len(c - 1);
+      const std::int64_t pi0 = std::int64_t(c - 1) * chunk;
+      for (int l = warp; l < pl; l += nw) {
+        const std::int64_t t = begin + (reverse ? len - 1 - (pi0 + l) : pi0 + l);
+        T* dst = static_cast<T*>(p.out) + bidx * p.out_s0 + t * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
+        for (int j = lane; j < w; j += 32) dst[j] = from_acc<T>(of[l * bv + j]);
+      }
+    }
+    // Convert stage s into the tile.
+    {
+      const unsigned char* rq = raw_q(s);
+      const unsigned char* rk = raw_k(s);
+      for (int l = warp; l < cl; l += nw) {
+        Acc gsum = gamma;
+        if (has_g) gsum += gs[s * chunk + l];
+        for (int a = lane; a < Kp; a += 32) {
+          const bool in = a < p.K;
+          qf[l * Kp + a] = in ? scale * raw_at<T, Acc>(rq + l * p.raw_q, a, p.q.type) : Acc(0);
+          kf[l * Kp + a] = in ? raw_at<T, Acc>(rk + l * p.raw_q, a, p.k.type) : Acc(0);
+          if constexpr (gk_vec)
+            dkf[l * Kp + a] = in ? exp_acc(gsum + raw_at<T, Acc>(raw_gk(s) + l * p.raw_gk, a, p.gk.type)) : Acc(1);
+        }
+        const Acc col_add = gk_vec ? Acc(0) : gsum;  // scalar gates go to the columns without gk
+        for (int j = lane; j < bv; j += 32) {
+          const bool in = j < w;
+          vf[l * bv + j] = in ? raw_at<T, Acc>(raw_v(s) + l * p.raw_v, j, p.v.type) : Acc(0);
+          if constexpr (dv_gate)
+            dvf[l * bv + j] =
+                in ? exp_acc(col_add + (has_gv ? raw_at<T, Acc>(raw_gv(s) + l * p.raw_gv, j, p.gv.type) : Acc(0)))
+                   : Acc(1);
+        }
+      }
+    }
+    __syncthreads();  // (B) tile ready; stage s is free
+    if (c + 2 < nchunks) issue(c + 2);
+    cp_async_commit();
+    if (has_g)
+      if (c + 2 < nchunks && tid < chunk_len(c + 2)) g_next = load_g(c + 2);
+
+    // The recurrence over the chunk.
+#pragma unroll RECATTN_CUDA_TOKEN_UNROLL
+    for (int l = 0; l < cl; ++l) {
+      Acc qv[R], kv[R], dk[R];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int a0 = j * RG * VW + rg * VW;
+        Acc t4[VW];
+        load_vec<Acc, VW>(t4, qf + l * Kp + a0);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) qv[j * VW + e] = t4[e];
+        load_vec<Acc, VW>(t4, kf + l * Kp + a0);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) kv[j * VW + e] = t4[e];
+        if constexpr (gk_vec) {
+          load_vec<Acc, VW>(t4, dkf + l * Kp + a0);
+#pragma unroll
+          for (int e = 0; e < VW; ++e) dk[j * VW + e] = t4[e];
+        }
+      }
+      Acc vv[C], dv[C];
+      load_vec<Acc, C>(vv, vf + l * bv + col0);
+      if constexpr (dv_gate) load_vec<Acc, C>(dv, dvf + l * bv + col0);
+      constexpr bool col_decay = dv_gate;
+      Acc part[C];
+#pragma unroll
+      for (int c2 = 0; c2 < C; ++c2) part[c2] = Acc(0);
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int c2 = 0; c2 < C; ++c2) {
+          Acc x = S[i][c2];
+          if constexpr (gk_vec && col_decay) x = fma(x, dk[i] * dv[c2], kv[i] * vv[c2]);
+          else if constexpr (gk_vec) x = fma(x, dk[i], kv[i] * vv[c2]);
+          else if constexpr (col_decay) x = fma(x, dv[c2], kv[i] * vv[c2]);
+          else x = fma(kv[i], vv[c2], x);
+          S[i][c2] = x;
+          part[c2] = fma(qv[i], x, part[c2]);
+        }
+      // Butterfly over the 16 lanes of the column group: each step halves the columns a
+      // lane carries, then a full reduction of the last one.
+      Acc k0 = hi8 ? part[2] : part[0], k1 = hi8 ? part[3] : part[1];
+      const Acc s0 = hi8 ? part[0] : part[2], s1 = hi8 ? part[1] : part[3];
+      k0 += __shfl_xor_sync(0xffffffffu, s0, 8);
+      k1 += __shfl_xor_sync(0xffffffffu, s1, 8);
+      Acc x = hi4 ? k1 : k0;
+      const Acc snd = hi4 ? k0 : k1;
+      x += __shfl_xor_sync(0xffffffffu, snd, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      if (writer) of[l * bv + out_col] = x;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (nchunks > 0) {
+    const int c = nchunks - 1;
+    const int pl = chunk_len(c);
+    const std::int64_t pi0 = std::int64_t(c) * chunk;
+    for (int l = warp; l < pl; l += nw) {
+      const std::int64_t t = begin + (reverse ? len - 1 - (pi0 + l) : pi0 + l);
+      T* dst = static_cast<T*>(p.out) + bidx * p.out_s0 + t * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
+      for (int j = lane; j < w; j += 32) dst[j] = from_acc<T>(of[l * bv + j]);
+    }
+  }
+  if (p.ht) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < VW; ++e)
+#pragma unroll
+        for (int c2 = 0; c2 < C; ++c2) {
+          const int a = j * RG * VW + rg * VW + e, b = b0 + col0 + c2;
+          if (a < p.K && b < p.V) {
+            const std::int64_t off = kv_layout ? n * p.ht_s0 + h * p.ht_s1 + a * p.ht_s2 + b
+                                               : n * p.ht_s0 + h * p.ht_s1 + b * p.ht_s2 + a;
+            static_cast<Acc*>(p.ht)[off] = S[j * VW + e][c2];
+          }
+        }
+  }
+  (void)nthreads;
+}
+
+}  // namespace recattn::cuda
