@@ -15,6 +15,14 @@
 #define RECATTN_DEVICE inline
 #endif
 
+// Keeps a helper out of line: shared by every specialization instead of copied into each
+// (build time), at the cost of a call per row.
+#if defined(__GNUC__) || defined(__clang__)
+#define RECATTN_NOINLINE __attribute__((noinline)) inline
+#else
+#define RECATTN_NOINLINE inline
+#endif
+
 #if defined(__CUDACC__) && !defined(RECATTN_DISABLE_CUDA)
 #define RECATTN_HAS_CUDA 1
 #else

@@ -157,7 +157,8 @@ auto view(const Eigen::TensorMap<Plain, MapOptions, MakePointer>& t) {
   using P = std::remove_const_t<Plain>;
   using Elem = std::remove_const_t<typename P::Scalar>;
   auto shape = detail::eigen_shape<decltype(t.dimensions()), P::NumIndices, P::Options>(t.dimensions());
-  if constexpr (std::is_const<Plain>::value) return tensor_view(t.data(), dtype_of<Elem>, shape);
+  if constexpr (std::is_const<Plain>::value || std::is_const<typename P::Scalar>::value)
+    return tensor_view(t.data(), dtype_of<Elem>, shape);
   else return mutable_tensor_view(t.data(), dtype_of<Elem>, shape);
 }
 #endif
