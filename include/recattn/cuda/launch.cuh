@@ -47,11 +47,12 @@ inline smem_layout layout_for(const problem& p, int nw, int chunk) {
 /// runtime's reserve.
 inline std::size_t smem_budget() { return std::size_t(std::max(48 * 1024, max_smem_optin() - 1024)); }
 
-/// Largest chunk <= want (and <= the block's threads, which stage the scalar gates) that fits.
+/// Largest chunk <= want (a multiple of 4, the kernel's token groups, and <= the block's
+/// threads, which stage the scalar gates) that fits in shared memory.
 inline int fit_chunk(const problem& p, int nw, int want) {
-  int chunk = std::min(want, 32 * nw);
+  int chunk = std::max(4, std::min(want, 32 * nw) / 4 * 4);
   const std::size_t budget = smem_budget();
-  while (chunk > 1 && layout_for(p, nw, chunk).bytes > budget) chunk = chunk / 2;
+  while (chunk > 4 && layout_for(p, nw, chunk).bytes > budget) chunk = std::max(4, chunk / 2 / 4 * 4);
   return chunk;
 }
 
@@ -72,26 +73,20 @@ inline void check_sizes(const problem& p) {
 
 }  // namespace detail
 
-/// A good default: the most warps per block (the staging and the gate exponentials are
-/// shared by a block's warps) that still leaves at least one block per multiprocessor.
+/// A good default: as many warps per block as the value columns allow, up to 8 (the
+/// staging, the gate exponentials and the barriers are shared by a block's warps), and
+/// the longest chunk that fits (fewer barriers). Measured on an H200 (bench/CUDA_RESULTS.md):
+/// 8 warps beat 4 warps at twice the blocks on every case of issue 5, by 1.3x to 2x, and
+/// chunks of 32 or 64 tokens beat 16 with 8 warps.
 inline cfg heuristic_cfg(const problem& p) {
   detail::check_sizes(p);
-  const int sms = detail::sm_count();
   const std::int64_t groups = (p.V + columns_per_warp - 1) / columns_per_warp;  // warps per head
-  const std::int64_t heads = std::max<std::int64_t>(1, p.N * p.H);
-  int nw = 1;
-  for (int cand : {8, 4, 2}) {
-    if (cand > detail::ceil_pow2(groups)) continue;
-    if (heads * ((groups + cand - 1) / cand) >= sms) {
-      nw = cand;
-      break;
-    }
-  }
+  const int nw = int(std::min<std::int64_t>(8, detail::ceil_pow2(groups)));
   cfg c;
   c.num_warps = nw;
   c.block_v = nw * columns_per_warp;
   c.block_k = 16 * detail::rows_per_lane(p.K, p.type);
-  c.chunk = detail::fit_chunk(p, nw, 16);
+  c.chunk = detail::fit_chunk(p, nw, nw >= 4 ? 64 : 16);
   return c;
 }
 
@@ -111,11 +106,12 @@ inline cfg resolve_cfg(const problem& p, const std::optional<cfg>& user) {
     fail("cfg.block_v", recattn::detail::cat("8 * num_warps = ", 8 * c.num_warps, " on platform cuda"), c.block_v);
   if (c.block_k != 0 && c.block_k != h.block_k)
     fail("cfg.block_k", recattn::detail::cat("0 or ", h.block_k, " on platform cuda (a warp holds all K rows)"), c.block_k);
-  if (c.chunk < 0 || c.chunk > 64) fail("cfg.chunk", "a value in [0, 64] on platform cuda", c.chunk);
+  if (c.chunk < 0 || c.chunk > 64 || c.chunk % 4)
+    fail("cfg.chunk", "0 or a multiple of 4 in [4, 64] on platform cuda", c.chunk);
   if (c.num_warps == 0) c.num_warps = c.block_v ? c.block_v / columns_per_warp : h.num_warps;
   c.block_v = c.num_warps * columns_per_warp;
   c.block_k = h.block_k;
-  const int want = c.chunk ? c.chunk : 16;
+  const int want = c.chunk ? c.chunk : (c.num_warps >= 4 ? 64 : 16);
   if (want > 32 * c.num_warps)
     fail("cfg.chunk", recattn::detail::cat("at most 32 * num_warps = ", 32 * c.num_warps, " on platform cuda"), c.chunk);
   c.chunk = detail::fit_chunk(p, c.num_warps, want);
@@ -281,7 +277,7 @@ inline void run_forward(const problem& p, const cfg& c, const forward_options& o
   if (p.has(gate_gv)) detail::require_device("gv", p.gv.data);
   detail::require_device("initial_state", p.h0.data);
   detail::require_device("final_state", p.ht.data);
-  if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 1 || c.chunk > 32 * c.num_warps)
+  if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 4 || c.chunk % 4 || c.chunk > 32 * c.num_warps)
     recattn::detail::fail("cfg", "a configuration from cuda::resolve_cfg", c.str());
 
   detail::launch_args a;

@@ -7,12 +7,12 @@
 // of the 4 columns cg * 4 .. cg * 4 + 3, in registers (float; double for double inputs):
 // R * 4 accumulators per lane, 16 R >= K. Per token a lane updates its R x 4 slice and
 // forms partial sums of q . S over its rows; a butterfly over the 16 lanes of a column
-// group (xor 8, 4, 2, 1: five shuffles) leaves each column's total on one lane.
+// group (a reduce-scatter over 4 tokens at once: xor 8, 4, 2, 1) leaves each total on one lane.
 //
 // Tokens move in chunks: the raw bytes of q, k, v, gk, gv for chunk c + 2 are copied with
 // cp.async (two stages in flight) while chunk c is computed; before its turn a chunk is
 // converted once per block into an Acc tile, with q pre-scaled and every gate already
-// exponentiated (exp(g + g_gamma + gk) per row, exp(gv) per column), so the inner loop is
+// exponentiated (exp(g + g_gamma + gk) per row, exp(gv [+ g + g_gamma]) per column), so the inner loop is
 // multiplies and adds only. The output tile is written back with coalesced stores.
 #pragma once
 
@@ -82,6 +82,7 @@ struct smem_layout {
 inline int round16(std::int64_t b) { return int((b + 15) / 16 * 16); }
 
 /// Shared memory of a block: two raw stages, the gate scalars of two stages, the Acc tile.
+// `chunk` is a multiple of 4 (the kernel's token groups).
 inline smem_layout make_smem_layout(int K, int Kp, int bv, int chunk, int es, int gk_es, int gv_es, bool has_gk,
                                     bool has_gv, bool col_decay, int acc_size) {
   smem_layout s;
@@ -111,17 +112,28 @@ __device__ __forceinline__ void stage_rows(unsigned char* dst, int pitch, const 
                                            std::int64_t i0, int cl, int warp, int nw, int lane) {
   const int bytes = count * x.es;
   if (x.align) {
+    // Whole units of A bytes, then the tail in 4-byte copies and a last 2-byte element: no
+    // copy reads past the row (a partial cp.async still reads its whole unit).
     const int A = x.align;
-    const int units = (bytes + A - 1) / A;
+    const int units = bytes / A;
+    const int tail4 = (bytes - units * A) / 4;
+    const int pieces = units + tail4 + ((bytes & 3) ? 1 : 0);
     for (int l = warp; l < cl; l += nw) {
       const std::int64_t t = begin + (reverse ? len - 1 - (i0 + l) : i0 + l);
       const char* src = x.data + (base + t * x.s1) * x.es;
       unsigned char* d = dst + l * pitch;
-      for (int u = lane; u < units; u += 32) {
-        const int n = min(A, bytes - u * A);
-        if (A == 16) cp_async<16>(d + u * 16, src + u * 16, n);
-        else if (A == 8) cp_async<8>(d + u * 8, src + u * 8, n);
-        else cp_async<4>(d + u * 4, src + u * 4, n);
+      for (int u = lane; u < pieces; u += 32) {
+        if (u < units) {
+          if (A == 16) cp_async<16>(d + u * 16, src + u * 16, 16);
+          else if (A == 8) cp_async<8>(d + u * 8, src + u * 8, 8);
+          else cp_async<4>(d + u * 4, src + u * 4, 4);
+        } else if (u < units + tail4) {
+          const int o = units * A + (u - units) * 4;
+          cp_async<4>(d + o, src + o, 4);
+        } else {
+          const int o = bytes - 2;
+          *reinterpret_cast<std::uint16_t*>(d + o) = *reinterpret_cast<const std::uint16_t*>(src + o);
+        }
       }
     }
   } else {
@@ -177,6 +189,8 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
   constexpr int VW = R >= 4 ? 4 : R;
   constexpr int NJ = R / VW;
   constexpr bool gk_vec = RowDecay;   // dk tile: exp(gk + g + g_gamma) per key row
+  constexpr int G = 4;  // tokens reduced together (G x C = 16 values over 16 lanes)
+  constexpr int token_unroll = RECATTN_CUDA_TOKEN_UNROLL;  // (#pragma unroll takes no macro)
   constexpr bool dv_gate = ColDecay;  // dv tile: exp(gv [+ g + g_gamma without gk]) per column
   const bool reverse = p.reverse;
   const bool kv_layout = p.kv_layout;
@@ -286,9 +300,7 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
   }
 
   const Acc scale = Acc(p.scale);
-  const bool hi8 = (lane & 8) != 0, hi4 = (lane & 4) != 0;
-  const int out_col = col0 + (hi8 ? 2 : 0) + (hi4 ? 1 : 0);
-  const bool writer = (lane & 3) == 0;
+  const bool hi8 = (lane & 8) != 0, hi4 = (lane & 4) != 0, hi2 = (lane & 2) != 0, hi1 = (lane & 1) != 0;
 
   for (int c = 0; c < nchunks; ++c) {
     const int s = c & 1;
@@ -313,11 +325,15 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
     {
       const unsigned char* rq = raw_q(s);
       const unsigned char* rk = raw_k(s);
-      for (int l = warp; l < cl; l += nw) {
+      // Tokens [cl, round_up(cl, G)) are padding with k = v = 0 and unit decays: they leave
+      // the state exactly as it is, so the inner loop runs whole groups without branches.
+      const int clp = (cl + G - 1) / G * G;
+      for (int l = warp; l < clp; l += nw) {
+        const bool tok = l < cl;
         Acc gsum = gamma;
-        if (has_g) gsum += gs[s * chunk + l];
+        if (has_g && tok) gsum += gs[s * chunk + l];
         for (int a = lane; a < Kp; a += 32) {
-          const bool in = a < p.K;
+          const bool in = tok && a < p.K;
           qf[l * Kp + a] = in ? scale * raw_at<T, Acc>(rq + l * p.raw_q, a, p.q.type) : Acc(0);
           kf[l * Kp + a] = in ? raw_at<T, Acc>(rk + l * p.raw_q, a, p.k.type) : Acc(0);
           if constexpr (gk_vec)
@@ -325,7 +341,7 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
         }
         const Acc col_add = gk_vec ? Acc(0) : gsum;  // scalar gates go to the columns without gk
         for (int j = lane; j < bv; j += 32) {
-          const bool in = j < w;
+          const bool in = tok && j < w;
           vf[l * bv + j] = in ? raw_at<T, Acc>(raw_v(s) + l * p.raw_v, j, p.v.type) : Acc(0);
           if constexpr (dv_gate)
             dvf[l * bv + j] =
@@ -340,57 +356,71 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
     if (has_g)
       if (c + 2 < nchunks && tid < chunk_len(c + 2)) g_next = load_g(c + 2);
 
-    // The recurrence over the chunk.
-#pragma unroll RECATTN_CUDA_TOKEN_UNROLL
-    for (int l = 0; l < cl; ++l) {
-      Acc qv[R], kv[R], dk[R];
+    // The recurrence over the chunk, G tokens at a time: the partial sums of the G tokens
+    // (G x 4 per lane) are reduced together, a reduce-scatter over the 16 lanes of the
+    // column group (xor 8, 4, 2, 1: 15 shuffles) that leaves lane rg with token rg / 4,
+    // column rg % 4. The state update of the next token does not wait on the shuffles.
+    const int clp = (cl + G - 1) / G * G;
+#pragma unroll token_unroll
+    for (int l0 = 0; l0 < clp; l0 += G) {
+      Acc part[G * C];
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int a0 = j * RG * VW + rg * VW;
-        Acc t4[VW];
-        load_vec<Acc, VW>(t4, qf + l * Kp + a0);
+      for (int g = 0; g < G; ++g) {
+        const int l = l0 + g;
+        Acc qv[R], kv[R], dk[R];
 #pragma unroll
-        for (int e = 0; e < VW; ++e) qv[j * VW + e] = t4[e];
-        load_vec<Acc, VW>(t4, kf + l * Kp + a0);
+        for (int j = 0; j < NJ; ++j) {
+          const int a0 = j * RG * VW + rg * VW;
+          Acc t4[VW];
+          load_vec<Acc, VW>(t4, qf + l * Kp + a0);
 #pragma unroll
-        for (int e = 0; e < VW; ++e) kv[j * VW + e] = t4[e];
-        if constexpr (gk_vec) {
-          load_vec<Acc, VW>(t4, dkf + l * Kp + a0);
+          for (int e = 0; e < VW; ++e) qv[j * VW + e] = t4[e];
+          load_vec<Acc, VW>(t4, kf + l * Kp + a0);
 #pragma unroll
-          for (int e = 0; e < VW; ++e) dk[j * VW + e] = t4[e];
+          for (int e = 0; e < VW; ++e) kv[j * VW + e] = t4[e];
+          if constexpr (gk_vec) {
+            load_vec<Acc, VW>(t4, dkf + l * Kp + a0);
+#pragma unroll
+            for (int e = 0; e < VW; ++e) dk[j * VW + e] = t4[e];
+          }
         }
+        Acc vv[C], dv[C];
+        load_vec<Acc, C>(vv, vf + l * bv + col0);
+        if constexpr (dv_gate) load_vec<Acc, C>(dv, dvf + l * bv + col0);
+#pragma unroll
+        for (int c2 = 0; c2 < C; ++c2) part[g * C + c2] = Acc(0);
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int c2 = 0; c2 < C; ++c2) {
+            Acc x = S[i][c2];
+            if constexpr (gk_vec && dv_gate) x = fma(x, dk[i] * dv[c2], kv[i] * vv[c2]);
+            else if constexpr (gk_vec) x = fma(x, dk[i], kv[i] * vv[c2]);
+            else if constexpr (dv_gate) x = fma(x, dv[c2], kv[i] * vv[c2]);
+            else x = fma(kv[i], vv[c2], x);
+            S[i][c2] = x;
+            part[g * C + c2] = fma(qv[i], x, part[g * C + c2]);
+          }
       }
-      Acc vv[C], dv[C];
-      load_vec<Acc, C>(vv, vf + l * bv + col0);
-      if constexpr (dv_gate) load_vec<Acc, C>(dv, dvf + l * bv + col0);
-      constexpr bool col_decay = dv_gate;
-      Acc part[C];
+      // Reduce-scatter: each step keeps the half of the values its lane bit selects.
+      Acc r8[8], r4[4], r2[2];
 #pragma unroll
-      for (int c2 = 0; c2 < C; ++c2) part[c2] = Acc(0);
+      for (int i = 0; i < 8; ++i) {
+        const Acc send = hi8 ? part[i] : part[i + 8];
+        r8[i] = (hi8 ? part[i + 8] : part[i]) + __shfl_xor_sync(0xffffffffu, send, 8);
+      }
 #pragma unroll
-      for (int i = 0; i < R; ++i)
+      for (int i = 0; i < 4; ++i) {
+        const Acc send = hi4 ? r8[i] : r8[i + 4];
+        r4[i] = (hi4 ? r8[i + 4] : r8[i]) + __shfl_xor_sync(0xffffffffu, send, 4);
+      }
 #pragma unroll
-        for (int c2 = 0; c2 < C; ++c2) {
-          Acc x = S[i][c2];
-          if constexpr (gk_vec && col_decay) x = fma(x, dk[i] * dv[c2], kv[i] * vv[c2]);
-          else if constexpr (gk_vec) x = fma(x, dk[i], kv[i] * vv[c2]);
-          else if constexpr (col_decay) x = fma(x, dv[c2], kv[i] * vv[c2]);
-          else x = fma(kv[i], vv[c2], x);
-          S[i][c2] = x;
-          part[c2] = fma(qv[i], x, part[c2]);
-        }
-      // Butterfly over the 16 lanes of the column group: each step halves the columns a
-      // lane carries, then a full reduction of the last one.
-      Acc k0 = hi8 ? part[2] : part[0], k1 = hi8 ? part[3] : part[1];
-      const Acc s0 = hi8 ? part[0] : part[2], s1 = hi8 ? part[1] : part[3];
-      k0 += __shfl_xor_sync(0xffffffffu, s0, 8);
-      k1 += __shfl_xor_sync(0xffffffffu, s1, 8);
-      Acc x = hi4 ? k1 : k0;
-      const Acc snd = hi4 ? k0 : k1;
-      x += __shfl_xor_sync(0xffffffffu, snd, 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      if (writer) of[l * bv + out_col] = x;
+      for (int i = 0; i < 2; ++i) {
+        const Acc send = hi2 ? r4[i] : r4[i + 2];
+        r2[i] = (hi2 ? r4[i + 2] : r4[i]) + __shfl_xor_sync(0xffffffffu, send, 2);
+      }
+      const Acc x = (hi1 ? r2[1] : r2[0]) + __shfl_xor_sync(0xffffffffu, hi1 ? r2[0] : r2[1], 1);
+      of[(l0 + (rg >> 2)) * bv + col0 + (rg & 3)] = x;
     }
   }
   cp_async_wait<0>();
