@@ -156,18 +156,9 @@ inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc*
     Acc* op = opart + l * ldv * W;
     for (int i = 0; i < R; ++i) {
       const B vb(vr[i]), ob(dr[i]);
-      if constexpr (DecayRow) {
-        const B eb(er[i]);
-        for (int j = 0; j < NV; ++j) {
-          if constexpr (DecayCol) s[i][j] = xsimd::fma(s[i][j], eb * dc[j], vb * k[j]);
-          else s[i][j] = xsimd::fma(s[i][j], eb, vb * k[j]);
-        }
-      } else {
-        for (int j = 0; j < NV; ++j) {
-          if constexpr (DecayCol) s[i][j] = xsimd::fma(s[i][j], dc[j], vb * k[j]);
-          else s[i][j] = xsimd::fma(vb, k[j], s[i][j]);
-        }
-      }
+      B eb(Acc(1));
+      if constexpr (DecayRow) eb = B(er[i]);
+      for (int j = 0; j < NV; ++j) s[i][j] = decayed_update<DecayRow, DecayCol>(s[i][j], eb, dc[j], vb, k[j]);
       for (int j = 0; j < NV; ++j) dqa[j] = xsimd::fma(ob, s[i][j], dqa[j]);
       if constexpr (NeedO) {
         B oa(Acc(0));

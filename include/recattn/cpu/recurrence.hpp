@@ -86,6 +86,16 @@ RECATTN_NOINLINE void store_row(const Acc* src, std::int64_t n, T* dst) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = convert<T>(src[i]);
 }
 
+/// One register of the state update s = D .* s + a * b, with D = row_decay * col_decay and
+/// an absent decay costing nothing: the update of every CPU kernel, forward and backward.
+template <bool DecayRow, bool DecayCol, class B>
+inline B decayed_update(const B& s, const B& row_decay, const B& col_decay, const B& a, const B& b) {
+  if constexpr (DecayRow && DecayCol) return xsimd::fma(s, row_decay * col_decay, a * b);
+  else if constexpr (DecayRow) return xsimd::fma(s, row_decay, a * b);
+  else if constexpr (DecayCol) return xsimd::fma(s, col_decay, a * b);
+  else return xsimd::fma(a, b, s);
+}
+
 /// The recurrence over L staged tokens for one register tile: R key rows x NV SIMD
 /// registers of value columns of the state stay in registers for the whole chunk, so the
 /// state is never loaded or stored per token. Each row tile adds its rows' share of
@@ -113,18 +123,9 @@ inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* d
     for (int i = 0; i < R; ++i) {
       const B kb(kr[i]);
       const B qb(qr[i]);
-      if constexpr (DecayK) {
-        const B db(dr[i]);
-        for (int j = 0; j < NV; ++j) {
-          if constexpr (DecayV) s[i][j] = xsimd::fma(s[i][j], db * dv[j], kb * v[j]);
-          else s[i][j] = xsimd::fma(s[i][j], db, kb * v[j]);
-        }
-      } else {
-        for (int j = 0; j < NV; ++j) {
-          if constexpr (DecayV) s[i][j] = xsimd::fma(s[i][j], dv[j], kb * v[j]);
-          else s[i][j] = xsimd::fma(kb, v[j], s[i][j]);
-        }
-      }
+      B db(Acc(1));
+      if constexpr (DecayK) db = B(dr[i]);
+      for (int j = 0; j < NV; ++j) s[i][j] = decayed_update<DecayK, DecayV>(s[i][j], db, dv[j], kb, v[j]);
       for (int j = 0; j < NV; ++j) acc[j] = xsimd::fma(qb, s[i][j], acc[j]);
     }
     for (int j = 0; j < NV; ++j) acc[j].store_aligned(os + l * ldv + j * W);
