@@ -12,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <recattn/recattn.hpp>
@@ -98,6 +99,10 @@ struct spec {
   recattn::state_layout layout = recattn::state_layout::kv;
   std::int64_t pad = 0;       ///< row padding of q, k, v, gates (strided tensors)
   bool gamma_per_seq = false;
+  /// When set, g and g_gamma are drawn uniformly from [first, second] (log decays: strong,
+  /// mixed or positive), and `neg_inf_every` > 0 puts -inf into every that-many-th g.
+  std::optional<std::pair<double, double>> scalar_range;
+  int neg_inf_every = 0;
   std::optional<double> scale;
   std::optional<recattn::cfg> cfg;
   void* stream = nullptr;
@@ -145,13 +150,21 @@ struct instance {
     fill(q, [&] { return normal(rng); });
     fill(k, [&] { return normal(rng); });
     fill(v, [&] { return normal(rng); });
+    auto ranged = [&](double lo, double hi, int inf_every) {
+      return [&, lo, hi, inf_every, i = std::int64_t(0)]() mutable {
+        const double x = lo + (hi - lo) * uni(rng);
+        return (inf_every > 0 && ++i % inf_every == 0) ? -INFINITY : x;
+      };
+    };
     if (s.gates & recattn::gate_g) {
       g = mirrored(s.gate_type, {s.B, s.T, H});
-      fill(g, logsig(1.0, 4.0));
+      if (s.scalar_range) fill(g, ranged(s.scalar_range->first, s.scalar_range->second, s.neg_inf_every));
+      else fill(g, logsig(1.0, 4.0));
     }
     if (s.gates & recattn::gate_g_gamma) {
       gg = s.gamma_per_seq ? mirrored(s.gate_type, {N, H}) : mirrored(s.gate_type, {H});
-      fill(gg, logsig(2.0, 5.0));
+      if (s.scalar_range) fill(gg, ranged(s.scalar_range->first, s.scalar_range->second, 0));
+      else fill(gg, logsig(2.0, 5.0));
     }
     if (s.gates & recattn::gate_gk) {
       gk = mirrored(s.gate_type, {s.B, s.T, H, s.K}, s.pad);

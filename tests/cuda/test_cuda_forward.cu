@@ -54,6 +54,64 @@ TEST_CASE("cuda forward: every gate combination, both directions", "[cuda]") {
       }
 }
 
+// Scalar decays alone take the rescaled no-decay loop (recurrence.cuh, scalar_factors):
+// segments end where the cumulative log decay leaves its bucket, so strong decays (a segment
+// per token), mixed and positive ones, decays that underflow to exactly 0 (-inf), chunk
+// boundaries (every chunk length) and long sequences are checked against the reference.
+TEST_CASE("cuda forward: scalar decays, strong, mixed, positive, underflowing", "[cuda]") {
+  const std::pair<double, double> ranges[] = {{-20.0, -5.0}, {-6.0, 0.0}, {-1.0, 0.8}, {-0.2, 0.0}, {-40.0, 0.5}};
+  std::uint64_t seed = 2000;
+  for (dtype t : {dtype::float32, dtype::bfloat16})
+    for (unsigned gates : {unsigned(recattn::gate_g), unsigned(recattn::gate_g_gamma),
+                           unsigned(recattn::gate_g | recattn::gate_g_gamma)})
+      for (const auto& r : ranges)
+        for (int chunk : {0, 4, 12, 64}) {
+          spec s;
+          s.type = t;
+          s.gate_type = t;
+          s.gates = gates;
+          s.scalar_range = r;
+          if ((gates & recattn::gate_g_gamma) && r.second > 0.0) continue;  // a constant growth overflows
+          s.B = 2;
+          s.T = 200;
+          s.Hq = s.Hk = s.Hv = 2;
+          s.K = 40;
+          s.V = 24;
+          s.reverse = (seed & 1) != 0;
+          s.initial_state = true;
+          s.gamma_per_seq = (seed & 2) != 0;
+          if (chunk) {
+            recattn::cfg c;
+            c.num_warps = 4;
+            c.chunk = chunk;
+            s.cfg = c;
+          }
+          s.seed = seed++;
+          check_case(s);
+        }
+  // Decays of exactly 0 (g = -inf) between ordinary ones, and a long mild sequence.
+  for (dtype t : {dtype::float32, dtype::bfloat16}) {
+    spec s;
+    s.type = t;
+    s.gate_type = t;
+    s.gates = recattn::gate_g | recattn::gate_g_gamma;
+    s.scalar_range = std::make_pair(-3.0, 0.0);
+    s.neg_inf_every = 37;
+    s.T = 300;
+    s.initial_state = true;
+    s.seed = seed++;
+    check_case(s);
+    s.neg_inf_every = 0;
+    s.scalar_range = std::make_pair(-0.02, 0.0);
+    s.B = 1;
+    s.T = 16384;
+    s.Hq = s.Hk = s.Hv = 1;
+    s.K = s.V = 64;
+    s.seed = seed++;
+    check_case(s);
+  }
+}
+
 TEST_CASE("cuda forward: K and V of any size up to 256", "[cuda]") {
   const std::int64_t sizes[][2] = {{1, 1},   {2, 3},    {16, 8},   {31, 33},  {32, 32},  {33, 17}, {64, 64},
                                    {65, 64}, {100, 70}, {128, 128}, {129, 5}, {200, 256}, {256, 256}, {256, 300},

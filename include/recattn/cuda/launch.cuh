@@ -39,7 +39,8 @@ inline smem_layout layout_for(const problem& p, int nw, int chunk) {
   return make_smem_layout(int(p.K), Kp, nw * columns_per_warp, chunk, int(dtype_size(p.type)),
                           p.has(gate_gk) ? int(dtype_size(p.gk.type)) : 0,
                           p.has(gate_gv) ? int(dtype_size(p.gv.type)) : 0, p.has(gate_gk), p.has(gate_gv),
-                          p.has(gate_gv) || (!p.has(gate_gk) && (p.has(gate_g) || p.has(gate_g_gamma))),
+                          p.has(gate_gv),
+                          !p.has(gate_gk) && !p.has(gate_gv) && (p.has(gate_g) || p.has(gate_g_gamma)),
                           int(acc_size(p)));
 }
 

@@ -28,6 +28,12 @@
 #define RECATTN_CUDA_TOKEN_UNROLL 1
 #endif
 
+/// Blocks of 256 threads a multiprocessor must hold for K in (64, 128] (R = 8): 2 caps the
+/// kernel at 128 registers a thread.
+#ifndef RECATTN_CUDA_R8_MIN_BLOCKS
+#define RECATTN_CUDA_R8_MIN_BLOCKS 1
+#endif
+
 namespace recattn::cuda {
 
 /// A tensor read one row (token) at a time: element (i0, t, i2, col) at
@@ -84,18 +90,28 @@ inline int round16(std::int64_t b) { return int((b + 15) / 16 * 16); }
 /// Shared memory of a block: two raw stages, the gate scalars of two stages, the Acc tile.
 // `chunk` is a multiple of 4 (the kernel's token groups).
 inline smem_layout make_smem_layout(int K, int Kp, int bv, int chunk, int es, int gk_es, int gv_es, bool has_gk,
-                                    bool has_gv, bool col_decay, int acc_size) {
+                                    bool has_gv, bool col_decay, bool scalar_decay, int acc_size) {
   smem_layout s;
   s.raw_q = round16(std::int64_t(K) * es);
   s.raw_gk = has_gk ? round16(std::int64_t(K) * gk_es) : 0;
   s.raw_v = round16(std::int64_t(bv) * es);
   s.raw_gv = has_gv ? round16(std::int64_t(bv) * gv_es) : 0;
   s.stage = chunk * (2 * s.raw_q + s.raw_gk + s.raw_v + s.raw_gv);
-  // tile: q, k, dk [chunk][Kp]; v, dv, o [chunk][bv]; gate scalars [2][chunk]
+  // tile: q, k, dk [chunk][Kp]; v, dv, o [chunk][bv]; gate scalars [2][chunk]; with scalar
+  // decays only, the rescale factors of two stages (see scalar_factors): q, k and state
+  // factors [2][chunk], group flags [2][chunk / 4], chunk-start and chunk-end factors [2] each.
   s.tile_elems = std::size_t(chunk) * (std::size_t(Kp) * (has_gk ? 3 : 2) + std::size_t(bv) * (col_decay ? 3 : 2)) +
-                 2 * std::size_t(chunk);
+                 2 * std::size_t(chunk) + (scalar_decay ? 6 * std::size_t(chunk) + 2 * std::size_t(chunk / 4) + 4 : 0);
   s.bytes = 2 * std::size_t(s.stage) + s.tile_elems * std::size_t(acc_size);
   return s;
+}
+
+template <int R, int C, class Acc>
+__device__ __forceinline__ void scale_state(Acc (&S)[R][C], Acc m) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int c = 0; c < C; ++c) S[i][c] *= m;
 }
 
 template <class Acc, int N>
@@ -163,25 +179,168 @@ __device__ __forceinline__ Acc raw_at(const unsigned char* row, int i, dtype t) 
   }
 }
 
+/// Elements a .. a + 3 of a raw row of U (a a multiple of 4; the row 16-byte aligned), as Acc;
+/// those at or past `count` read as 0 (and are not read).
+template <class U, class Acc>
+__device__ __forceinline__ void load4_raw(Acc (&x)[4], const unsigned char* row, int a, int count) {
+  const U* r = reinterpret_cast<const U*>(row) + a;
+  if (a + 4 <= count) {
+    const avec<U, 4> v = *reinterpret_cast<const avec<U, 4>*>(r);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = to_acc<Acc>(v.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = a + e < count ? to_acc<Acc>(r[e]) : Acc(0);
+  }
+}
+
+/// q, k, v rows: always of the input dtype T.
+template <class T, class Acc>
+__device__ __forceinline__ void load4(Acc (&x)[4], const unsigned char* row, int a, int count) {
+  load4_raw<T, Acc>(x, row, a, count);
+}
+
+/// Gate rows: float or the input dtype.
+template <class T, class Acc>
+__device__ __forceinline__ void load4_gate(Acc (&x)[4], const unsigned char* row, int a, int count, dtype t) {
+  if (t == dtype::float32) load4_raw<float, Acc>(x, row, a, count);
+  else load4_raw<T, Acc>(x, row, a, count);
+}
+
+/// dst[0..3] = mul * x, as one vector store (dst 4-element aligned).
+template <class Acc>
+__device__ __forceinline__ void store4(Acc* dst, const Acc (&x)[4], Acc mul) {
+  avec<Acc, 4> v;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v.v[e] = mul * x[e];
+  *reinterpret_cast<avec<Acc, 4>*>(dst) = v;
+}
+
 }  // namespace detail
 
 /// The part of a forward_policy the inner loop is compiled for: is there a decay per key
-/// row (gk, with g and g_gamma folded in) and one per value column (gv; or g and g_gamma
-/// when there is no gk, folded into the column factors as exp(gv + g + g_gamma)). The rest
-/// (direction, varlen, state layout, which scalar gates are present) is read per chunk or
-/// per block, never per state element, so it is passed as uniform run-time values: the 256
-/// specializations per dtype that dispatch_forward reaches share 4 kernels per K class,
+/// row (gk, with g and g_gamma folded in as exp(gk + g + g_gamma)) and one per value column
+/// (gv, with g and g_gamma folded in when there is no gk). Scalar decays alone (g, g_gamma)
+/// take the no-decay loop with the rescaling of scalar_factors, decided at run time. The
+/// rest (direction, varlen, state layout, which scalar gates are present) is read per chunk
+/// or per block, never per state element, so it is passed as uniform run-time values: the
+/// 256 specializations per dtype that dispatch_forward reaches share 4 kernels per K class,
 /// which keeps the build of a CUDA translation unit in minutes rather than hours.
 template <class Policy>
 struct kernel_traits {
   static constexpr bool row = Policy::has_gk;
-  static constexpr bool col = Policy::has_gv || (!Policy::has_gk && (Policy::has_g || Policy::has_g_gamma));
+  static constexpr bool col = Policy::has_gv;
+  static constexpr bool scalar = !row && !col && (Policy::has_g || Policy::has_g_gamma);
 };
+
+namespace detail {
+
+/// Half-width of the log-decay range a rescaled segment spans: factors stay in
+/// [e^-30, e^30], far from float overflow and underflow.
+inline constexpr double rescale_bucket = 30.0;
+
+/// Scalar decays without gk or gv: the state update s = d s + k v^T costs a multiply per
+/// element on top of the two FMAs of the no-decay loop. Instead, inside a segment of tokens
+/// whose cumulative log decays P (from the chunk's first token) stay within one bucket of
+/// width 2 * rescale_bucket, the kernel keeps s' with s_l = exp(P_l - P_r) s'_l, r the
+/// segment's first token, so that
+///   s'_l = s'_{l-1} + (exp(P_r - P_l) k_l) v_l^T,   o_l = (exp(P_l - P_r) q_l) . s'_l,
+/// and multiplies the state only where a segment starts (by exp(P_l - P_r_prev), the true
+/// decay since the previous reference; it may underflow to 0 like the plain recurrence) and
+/// at chunk boundaries (the end factor of the chunk times the first token's own decay).
+/// The factors are exponentials of differences of log decays summed in double, so they are
+/// as exact as the product of the per-token decays of the plain recurrence (no division by
+/// a decay, nothing undone). NaN in the gates flows into the factors and from there into
+/// the state, as in the plain recurrence.
+///
+/// Run by one warp for chunk c (cl tokens, cl <= 64, two tokens per lane). g: the chunk's
+/// scalar gates (null: g_gamma only). Writes, for stage s: fq, fk, fm [chunk] (q, k factors
+/// and the state multiplier before each token, 1 where none), fgrp [chunk / 4] (1 where a
+/// group of 4 tokens has a multiplier), fpre (state multiplier at the chunk start) and fend
+/// (exp(P_last - P_ref), carried to the next chunk in `pending`).
+template <class Acc>
+__device__ __forceinline__ void scalar_factors(const Acc* g, Acc gamma, int cl, Acc* fq, Acc* fk, Acc* fm, Acc* fgrp,
+                                               Acc* fpre, Acc* fend, double& pending, int lane, int chunk) {
+  const double B = rescale_bucket;
+  auto glog = [&](int l) -> double {
+    double x = double(gamma) + (g ? double(g[l]) : 0.0);
+    // Clamp (NaN passes): exp of either bound is 0 or inf in float, as exp of the gate is.
+    return x < -1e4 ? -1e4 : (x > 1e4 ? 1e4 : x);
+  };
+  const int l0 = 2 * lane, l1 = 2 * lane + 1;
+  // Log decay of each token after the first (the first one's goes into fpre).
+  const double x0 = (l0 >= 1 && l0 < cl) ? glog(l0) : 0.0;
+  const double x1 = (l1 < cl) ? glog(l1) : 0.0;
+  double incl = x0 + x1;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const double y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) excl = 0.0;
+  const double P0 = excl + x0, P1 = P0 + x1;
+  const double b0 = floor(P0 / (2 * B) + 0.5), b1 = floor(P1 / (2 * B) + 0.5);
+  double bprev = __shfl_up_sync(0xffffffffu, b1, 1);
+  // Token l starts a segment where its bucket differs from token l - 1's (NaN: always).
+  const bool s0 = l0 >= 1 && l0 < cl && !(b0 == bprev);
+  const bool s1 = l1 < cl && !(b1 == b0);
+  const unsigned me = __ballot_sync(0xffffffffu, s0), mo = __ballot_sync(0xffffffffu, s1);
+  // The reference (segment start) of token 2 i + e: the last start at or before it (token 0
+  // when none).
+  auto last_at_or_below = [](unsigned m, int i) -> int {  // highest set bit <= i, or -1
+    if (i < 0) return -1;
+    const unsigned mm = m & (i >= 31 ? 0xffffffffu : ((2u << i) - 1u));
+    return mm ? 31 - __clz(mm) : -1;
+  };
+  auto ref_of = [&](int e) -> int {
+    const int je = last_at_or_below(me, lane), jo = last_at_or_below(mo, e ? lane : lane - 1);
+    const int r = max(je >= 0 ? 2 * je : 0, jo >= 0 ? 2 * jo + 1 : 0);
+    return r;
+  };
+  const int r0 = ref_of(0), r1 = ref_of(1);
+  auto P_of = [&](int r) -> double {  // P of token r (all lanes take part)
+    const double a = __shfl_sync(0xffffffffu, P0, r >> 1), b = __shfl_sync(0xffffffffu, P1, r >> 1);
+    return (r & 1) ? b : a;
+  };
+  const double Pr0 = P_of(r0), Pr1 = P_of(r1);
+  const double Pr_prev0 = __shfl_up_sync(0xffffffffu, Pr1, 1);  // reference of token l0 - 1
+  if (l0 < chunk) {
+    const double d0 = P0 - Pr0;
+    fq[l0] = Acc(exp(d0));
+    fk[l0] = Acc(exp(-d0));
+    fm[l0] = s0 ? Acc(exp(P0 - Pr_prev0)) : Acc(1);
+  }
+  if (l1 < chunk) {
+    const double d1 = P1 - Pr1;
+    fq[l1] = Acc(exp(d1));
+    fk[l1] = Acc(exp(-d1));
+    fm[l1] = s1 ? Acc(exp(P1 - Pr0)) : Acc(1);
+  }
+  // Group of 4 tokens = lanes 2 j, 2 j + 1.
+  const bool any = s0 || s1;
+  const bool grp = any || __shfl_xor_sync(0xffffffffu, any, 1);
+  if ((lane & 1) == 0 && 4 * (lane >> 1) < chunk) fgrp[lane >> 1] = grp ? Acc(1) : Acc(0);
+  // Chunk end: the state is s_last = exp(P_last - P_ref_last) s'; carried into the next
+  // chunk's start factor together with that chunk's first decay.
+  const int last = cl - 1;
+  const double Pl = P_of(last);
+  const double Prl = P_of(last == 0 ? 0 : ((last & 1) ? __shfl_sync(0xffffffffu, r1, last >> 1)
+                                                       : __shfl_sync(0xffffffffu, r0, last >> 1)));
+  if (lane == 0) {
+    *fpre = Acc(pending * exp(glog(0)));
+    *fend = Acc(exp(Pl - Prl));
+  }
+  pending = exp(Pl - Prl);
+}
+
+}  // namespace detail
 
 /// The forward kernel. Grid: one block per (n, h, value block); block: NW warps of 8 columns.
 // Up to 8 warps a block; with R = 4 (K <= 64) two blocks a multiprocessor (128 registers).
 template <class T, bool RowDecay, bool ColDecay, int R>
-__global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const forward_params p) {
+__global__ void __launch_bounds__(256, (R <= 4 ? 2 : R <= 8 ? RECATTN_CUDA_R8_MIN_BLOCKS : 1))
+    forward_kernel(const forward_params p) {
   using Acc = accum_t<T>;
   using namespace detail;
   constexpr int RG = 16, C = 4;
@@ -196,6 +355,8 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
   const bool kv_layout = p.kv_layout;
   const bool has_g = p.g != nullptr;
   const bool has_gv = p.gv.data != nullptr;
+  // Scalar decays only: the no-decay loop with rescaled q and k (detail::scalar_factors).
+  const bool rescale = !RowDecay && !ColDecay && (has_g || p.g_gamma != nullptr);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int nw = int(blockDim.x) >> 5;
@@ -231,6 +392,13 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
   Acc* dvf = vf + chunk * bv;
   Acc* of = dvf + (dv_gate ? chunk * bv : 0);
   Acc* gs = of + chunk * bv;  // [2][chunk]: the scalar gate g of each stage
+  // Rescale factors of each stage (scalar decays only; see scalar_factors).
+  Acc* fq = gs + 2 * chunk;
+  Acc* fk = fq + 2 * chunk;
+  Acc* fm = fk + 2 * chunk;
+  Acc* fgrp = fm + 2 * chunk;
+  Acc* fpre = fgrp + 2 * (chunk / 4);
+  Acc* fend = fpre + 2;
 
   auto raw_q = [&](int s) { return smem + s * p.raw_stage; };
   auto raw_k = [&](int s) { return raw_q(s) + chunk * p.raw_q; };
@@ -298,6 +466,17 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
     for (int c = 0; c < 2 && c < nchunks; ++c)
       if (tid < chunk_len(c)) gs[c * chunk + tid] = load_g(c);
   }
+  double pending = 1.0;  // warp 0, rescale: exp(P_last - P_ref) of the last chunk with factors
+  auto factors = [&](int c) {  // warp 0: rescale factors of chunk c into stage c & 1
+    const int s = c & 1;
+    detail::scalar_factors<Acc>(has_g ? gs + s * chunk : nullptr, gamma, chunk_len(c), fq + s * chunk,
+                                fk + s * chunk, fm + s * chunk, fgrp + s * (chunk / 4), fpre + s, fend + s,
+                                pending, lane, chunk);
+  };
+  if (rescale && nchunks > 0) {
+    __syncthreads();  // the gates of chunk 0
+    if (warp == 0) factors(0);
+  }
 
   const Acc scale = Acc(p.scale);
   const bool hi8 = (lane & 8) != 0, hi4 = (lane & 4) != 0, hi2 = (lane & 2) != 0, hi1 = (lane & 1) != 0;
@@ -310,6 +489,9 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
       if (c >= 1 && c + 1 < nchunks && tid < chunk_len(c + 1)) gs[((c + 1) & 1) * chunk + tid] = g_next;
     cp_async_wait<1>();
     __syncthreads();  // (A) stage s has landed; the tile of chunk c - 1 has been consumed
+    // The factors of chunk c + 1 (its gates are in; stage (c + 1) & 1's factors were last
+    // read by chunk c - 1, which every warp has finished).
+    if (rescale && warp == 0 && c + 1 < nchunks) factors(c + 1);
 
     // Write back the outputs of chunk c - 1.
     if (c > 0) {
@@ -321,32 +503,59 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
         for (int j = lane; j < w; j += 32) dst[j] = from_acc<T>(of[l * bv + j]);
       }
     }
-    // Convert stage s into the tile.
+    // Convert stage s into the tile, 4 elements a lane (one 8- or 16-byte shared load).
+    // Tokens [cl, round_up(cl, G)) are padding with k = v = 0 and unit decays: they leave
+    // the state exactly as it is, so the inner loop runs whole groups without branches.
     {
+      const int clp = (cl + G - 1) / G * G;
       const unsigned char* rq = raw_q(s);
       const unsigned char* rk = raw_k(s);
-      // Tokens [cl, round_up(cl, G)) are padding with k = v = 0 and unit decays: they leave
-      // the state exactly as it is, so the inner loop runs whole groups without branches.
-      const int clp = (cl + G - 1) / G * G;
-      for (int l = warp; l < clp; l += nw) {
+      // Key side: Kp / 4 lanes a token row (rows side by side in a warp when Kp < 128).
+      constexpr int KL = Kp / 4 < 32 ? Kp / 4 : 32;
+      constexpr int KT = 32 / KL;
+      for (int l = warp * KT + lane / KL; l < clp; l += nw * KT) {
         const bool tok = l < cl;
+        const int count = tok ? p.K : 0;
         Acc gsum = gamma;
         if (has_g && tok) gsum += gs[s * chunk + l];
-        for (int a = lane; a < Kp; a += 32) {
-          const bool in = tok && a < p.K;
-          qf[l * Kp + a] = in ? scale * raw_at<T, Acc>(rq + l * p.raw_q, a, p.q.type) : Acc(0);
-          kf[l * Kp + a] = in ? raw_at<T, Acc>(rk + l * p.raw_q, a, p.k.type) : Acc(0);
-          if constexpr (gk_vec)
-            dkf[l * Kp + a] = in ? exp_acc(gsum + raw_at<T, Acc>(raw_gk(s) + l * p.raw_gk, a, p.gk.type)) : Acc(1);
+        const Acc qs = rescale && tok ? scale * fq[s * chunk + l] : scale;
+        const Acc ks = rescale && tok ? fk[s * chunk + l] : Acc(1);
+        for (int a = 4 * (lane % KL); a < Kp; a += 4 * KL) {
+          Acc x[4];
+          load4<T, Acc>(x, rq + l * p.raw_q, a, count);
+          store4<Acc>(qf + l * Kp + a, x, qs);
+          load4<T, Acc>(x, rk + l * p.raw_q, a, count);
+          store4<Acc>(kf + l * Kp + a, x, ks);
+          if constexpr (gk_vec) {
+            load4_gate<T, Acc>(x, raw_gk(s) + l * p.raw_gk, a, count, p.gk.type);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = a + e < count ? exp_acc(gsum + x[e]) : Acc(1);
+            store4<Acc>(dkf + l * Kp + a, x, Acc(1));
+          }
         }
-        const Acc col_add = gk_vec ? Acc(0) : gsum;  // scalar gates go to the columns without gk
-        for (int j = lane; j < bv; j += 32) {
-          const bool in = tok && j < w;
-          vf[l * bv + j] = in ? raw_at<T, Acc>(raw_v(s) + l * p.raw_v, j, p.v.type) : Acc(0);
-          if constexpr (dv_gate)
-            dvf[l * bv + j] =
-                in ? exp_acc(col_add + (has_gv ? raw_at<T, Acc>(raw_gv(s) + l * p.raw_gv, j, p.gv.type) : Acc(0)))
-                   : Acc(1);
+      }
+      // Value side: bv / 4 lanes a token row.
+      const int VL = bv / 4 < 32 ? bv / 4 : 32;
+      const int VT = 32 / VL;
+      for (int l = warp * VT + lane / VL; l < clp; l += nw * VT) {
+        const bool tok = l < cl;
+        const int count = tok ? w : 0;
+        Acc col_add = Acc(0);  // scalar gates go to the columns without gk
+        if (!gk_vec) {
+          col_add = gamma;
+          if (has_g && tok) col_add += gs[s * chunk + l];
+        }
+        for (int j = 4 * (lane % VL); j < bv; j += 4 * VL) {
+          Acc x[4];
+          load4<T, Acc>(x, raw_v(s) + l * p.raw_v, j, count);
+          store4<Acc>(vf + l * bv + j, x, Acc(1));
+          if constexpr (dv_gate) {
+            if (has_gv) load4_gate<T, Acc>(x, raw_gv(s) + l * p.raw_gv, j, count, p.gv.type);
+            else x[0] = x[1] = x[2] = x[3] = Acc(0);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = j + e < count ? exp_acc(col_add + x[e]) : Acc(1);
+            store4<Acc>(dvf + l * bv + j, x, Acc(1));
+          }
         }
       }
     }
@@ -361,12 +570,21 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
     // column group (xor 8, 4, 2, 1: 15 shuffles) that leaves lane rg with token rg / 4,
     // column rg % 4. The state update of the next token does not wait on the shuffles.
     const int clp = (cl + G - 1) / G * G;
+    if (rescale) {
+      const Acc m = fpre[s];
+      if (m != Acc(1)) scale_state<R, C>(S, m);
+    }
 #pragma unroll token_unroll
     for (int l0 = 0; l0 < clp; l0 += G) {
       Acc part[G * C];
+      const bool grp_mul = rescale && fgrp[s * (chunk / 4) + l0 / G] != Acc(0);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int l = l0 + g;
+        if (grp_mul) {  // a segment starts at one of these tokens (rare): uniform branch
+          const Acc m = fm[s * chunk + l];
+          if (m != Acc(1)) scale_state<R, C>(S, m);
+        }
         Acc qv[R], kv[R], dk[R];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
@@ -435,6 +653,7 @@ __global__ void __launch_bounds__(256, (R <= 4 ? 2 : 1)) forward_kernel(const fo
       for (int j = lane; j < w; j += 32) dst[j] = from_acc<T>(of[l * bv + j]);
     }
   }
+  if (rescale && nchunks > 0) scale_state<R, C>(S, fend[(nchunks - 1) & 1]);
   if (p.ht) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
