@@ -114,6 +114,7 @@ forward_result allocate_and_run(const tensor_view& q, const tensor_view& k, cons
 }  // namespace detail
 
 struct backward_result;  // backward.hpp
+struct step_options;     // step_problem.hpp
 
 /// The recurrent-attention kernel object, with ejkernel's roles: `run`, `heuristic_cfg`,
 /// `candidate_cfgs`, `get_impl`.
@@ -146,6 +147,12 @@ class RecurrentAttention {
   /// Backward returning newly allocated gradients; defined in backward.hpp.
   backward_result backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                            const forward_options& opt, const output_grads& grads) const;
+
+  /// Decode step (SPEC §3.3) on a state pool updated in place; defined in step.hpp (a
+  /// template only so that translation units that never call it never compile its kernels).
+  template <class StepOptions = step_options>
+  void step(const tensor_view& q, const tensor_view& k, const tensor_view& v, const mutable_tensor_view& state_pool,
+            const mutable_tensor_view& out, const StepOptions& opt = {}) const;
 
   /// A good default configuration for the problem on this object's platform.
   cfg heuristic_cfg(const problem& p) const { return detail::resolve_cfg(resolved(p), p, std::nullopt); }
@@ -219,3 +226,4 @@ inline std::string can_implement(const tensor_view& q, const tensor_view& k, con
 }  // namespace recattn
 
 #include "backward.hpp"
+#include "step.hpp"
