@@ -21,8 +21,12 @@
 #include "recattn.hpp"
 #include "step_problem.hpp"
 
-#if RECATTN_HAS_CUDA
+// The CUDA step is written after the CPU one: until it lands, nvcc builds get the CPU step.
+#if RECATTN_HAS_CUDA && __has_include("cuda/step.cuh")
+#define RECATTN_STEP_HAS_CUDA 1
 #include "cuda/step.cuh"
+#else
+#define RECATTN_STEP_HAS_CUDA 0
 #endif
 
 namespace recattn {
@@ -37,7 +41,7 @@ struct cpu_step_backend {
 /// The platform of a step: forward's rule (device pointers -> cuda when compiled by nvcc).
 inline platform resolve_step_platform(platform requested, const step_problem& sp) {
   const platform pl = resolve_platform(requested, sp.tok);
-#if RECATTN_HAS_CUDA
+#if RECATTN_STEP_HAS_CUDA
   if (pl == platform::cpu && cuda::is_device_pointer(sp.pool.data))
     fail("platform", "cuda (state_pool is device memory)", "cpu");
 #endif
@@ -54,8 +58,10 @@ void RecurrentAttention::step(const tensor_view& q, const tensor_view& k, const 
   const step_problem sp = make_step_problem(q, k, v, state_pool, out, opt);
   const recattn::platform requested = opt.platform != recattn::platform::automatic ? opt.platform : platform_;
   const recattn::platform pl = detail::resolve_step_platform(requested, sp);
-#if RECATTN_HAS_CUDA
+#if RECATTN_STEP_HAS_CUDA
   if (pl == recattn::platform::cuda) return cuda::run_step(sp, opt);
+#else
+  if (pl == recattn::platform::cuda) detail::fail("platform", "cpu (no CUDA step in this build)", "cuda");
 #endif
   (void)pl;
   const cfg c = cpu::cpu_step_resolve_cfg(sp, opt.cfg);
@@ -80,7 +86,7 @@ inline std::string can_implement_step(const tensor_view& q, const tensor_view& k
   try {
     const step_problem sp = make_step_problem(q, k, v, state_pool, out, opt);
     const platform pl = detail::resolve_step_platform(opt.platform, sp);
-#if RECATTN_HAS_CUDA
+#if RECATTN_STEP_HAS_CUDA
     if (pl == platform::cuda) (void)cuda::step_launch_shape(sp);
 #endif
     (void)pl;
