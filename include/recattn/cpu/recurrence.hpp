@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <new>
 #include <vector>
@@ -96,39 +97,65 @@ inline B decayed_update(const B& s, const B& row_decay, const B& col_decay, cons
   else return xsimd::fma(a, b, s);
 }
 
-/// The recurrence over L staged tokens for one register tile: R key rows x NV SIMD
-/// registers of value columns of the state stay in registers for the whole chunk, so the
-/// state is never loaded or stored per token. Each row tile adds its rows' share of
-/// q . S into the chunk's partial outputs `os` ([L][ldv], zeroed before the first tile).
-/// qs, ks, dks: [L][ldk] starting at the tile's first row; vs, dvs: [L][ldv] at the tile's
-/// first column; S: [R][lds] at the tile's corner.
-template <class Acc, bool DecayK, bool DecayV, int R, int NV>
-inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* dks, std::int64_t ldk, const Acc* vs,
-                      const Acc* dvs, std::int64_t ldv, Acc* S, std::int64_t lds, Acc* os) {
+/// Factors a segment start applies to the state before its first token: the previous
+/// segment's decay products (r1 per key row, c1 per value column) bring the rescaled state
+/// back to the true state, then the start token's own decays (r2, c2) are applied as plain
+/// multiplies, exactly as the direct recurrence does (a decay of 0 zeroes the state). A null
+/// pointer is a factor that is absent (no such gate); all null: no segment start.
+template <class Acc>
+struct segment_factors {
+  const Acc *r1 = nullptr, *r2 = nullptr, *c1 = nullptr, *c2 = nullptr;
+  segment_factors at(std::int64_t row, std::int64_t col) const {
+    return {r1 ? r1 + row : nullptr, r2 ? r2 + row : nullptr, c1 ? c1 + col : nullptr, c2 ? c2 + col : nullptr};
+  }
+};
+
+/// The recurrence over L staged tokens for one register tile, in the rescaled form
+/// (see stage_group): per state element s += k' v' and o += q' s, two FMAs, for every gate
+/// policy. R key rows x NV SIMD registers of value columns of the state stay in registers
+/// for the whole segment. Each row tile adds its rows' share of q' . S into the partial
+/// outputs `os` ([L][ldv]), in P independent sums so the FMA chain per output register is
+/// R / P long rather than R.
+/// qs, ks: [L][ldk] at the tile's first row; vs: [L][ldv] at its first column; S: [R][lds].
+template <class Acc, int R, int NV>
+inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, std::int64_t ldk, const Acc* vs, std::int64_t ldv,
+                      Acc* S, std::int64_t lds, Acc* os, const segment_factors<Acc>& f) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
+  constexpr int P = R >= 4 ? 2 : 1;
   B s[R][NV];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) s[i][j] = B::load_aligned(S + i * lds + j * W);
+  if (f.r1)
+    for (int i = 0; i < R; ++i) {
+      const B a(f.r1[i]), b(f.r2[i]);
+      for (int j = 0; j < NV; ++j) s[i][j] = (s[i][j] * a) * b;
+    }
+  if (f.c1)
+    for (int j = 0; j < NV; ++j) {
+      const B a = B::load_unaligned(f.c1 + j * W), b = B::load_unaligned(f.c2 + j * W);
+      for (int i = 0; i < R; ++i) s[i][j] = (s[i][j] * a) * b;
+    }
   for (std::int64_t l = 0; l < L; ++l) {
     const Acc* qr = qs + l * ldk;
     const Acc* kr = ks + l * ldk;
-    const Acc* dr = dks + l * ldk;
-    B v[NV], dv[NV], acc[NV];
+    B v[NV], acc[P][NV];
     for (int j = 0; j < NV; ++j) {
       v[j] = B::load_aligned(vs + l * ldv + j * W);
-      if constexpr (DecayV) dv[j] = B::load_aligned(dvs + l * ldv + j * W);
-      acc[j] = B::load_aligned(os + l * ldv + j * W);
+      acc[0][j] = B::load_aligned(os + l * ldv + j * W);
+      for (int p = 1; p < P; ++p) acc[p][j] = B(Acc(0));
     }
     for (int i = 0; i < R; ++i) {
       const B kb(kr[i]);
       const B qb(qr[i]);
-      B db(Acc(1));
-      if constexpr (DecayK) db = B(dr[i]);
-      for (int j = 0; j < NV; ++j) s[i][j] = decayed_update<DecayK, DecayV>(s[i][j], db, dv[j], kb, v[j]);
-      for (int j = 0; j < NV; ++j) acc[j] = xsimd::fma(qb, s[i][j], acc[j]);
+      for (int j = 0; j < NV; ++j) s[i][j] = xsimd::fma(kb, v[j], s[i][j]);
+      for (int j = 0; j < NV; ++j) acc[i % P][j] = xsimd::fma(qb, s[i][j], acc[i % P][j]);
     }
-    for (int j = 0; j < NV; ++j) acc[j].store_aligned(os + l * ldv + j * W);
+    for (int j = 0; j < NV; ++j) {
+      B o = acc[0][j];
+      for (int p = 1; p < P; ++p) o += acc[p][j];
+      o.store_aligned(os + l * ldv + j * W);
+    }
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) s[i][j].store_aligned(S + i * lds + j * W);
@@ -140,29 +167,84 @@ template <class Acc> struct tile_shape {
   static constexpr int regs = RECATTN_CPU_TILE_REGS;
 };
 
-/// The recurrence over one staged chunk for the item's whole state slice S [K][ldv]:
-/// column tiles of NV registers, row tiles of R rows (remainders one row / one register
-/// at a time).
-template <class Acc, bool DecayK, bool DecayV>
-RECATTN_NOINLINE void scan(std::int64_t L, std::int64_t K, const Acc* qs, const Acc* ks, const Acc* dks, std::int64_t ldk,
-                 const Acc* vs, const Acc* dvs, std::int64_t ldv, Acc* S, Acc* os) {
+/// The recurrence over L staged tokens of one segment for one head's whole state slice
+/// S [K][ldv]: column tiles of NV registers, row tiles of R rows (remainders one row / one
+/// register at a time). `f` applies at the segment's start (all null: none).
+/// `prefetch(n)` is called before each tile (see prefetch_queue).
+template <class Acc, class Prefetch>
+inline void scan(std::int64_t L, std::int64_t K, const Acc* qs, const Acc* ks, std::int64_t ldk, const Acc* vs,
+                 std::int64_t ldv, Acc* S, Acc* os, const segment_factors<Acc>& f, Prefetch&& prefetch) {
   constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
   constexpr int R = tile_shape<Acc>::rows, NV = tile_shape<Acc>::regs;
-  for (std::int64_t l = 0; l < L; ++l)
-    for (std::int64_t j = 0; j < ldv; ++j) os[l * ldv + j] = Acc(0);
   auto rows = [&](auto nv, std::int64_t j0) {
     constexpr int NVc = decltype(nv)::value;
     std::int64_t a = 0;
-    for (; a + R <= K; a += R)
-      scan_tile<Acc, DecayK, DecayV, R, NVc>(L, qs + a, ks + a, dks + a, ldk, vs + j0, dvs + j0, ldv, S + a * ldv + j0,
-                                             ldv, os + j0);
-    for (; a < K; ++a)
-      scan_tile<Acc, DecayK, DecayV, 1, NVc>(L, qs + a, ks + a, dks + a, ldk, vs + j0, dvs + j0, ldv, S + a * ldv + j0,
-                                             ldv, os + j0);
+    for (; a + R <= K; a += R) {
+      prefetch();
+      scan_tile<Acc, R, NVc>(L, qs + a, ks + a, ldk, vs + j0, ldv, S + a * ldv + j0, ldv, os + j0, f.at(a, j0));
+    }
+    for (; a < K; ++a) {
+      prefetch();
+      scan_tile<Acc, 1, NVc>(L, qs + a, ks + a, ldk, vs + j0, ldv, S + a * ldv + j0, ldv, os + j0, f.at(a, j0));
+    }
   };
   std::int64_t j0 = 0;
   for (; j0 + NV * W <= ldv; j0 += NV * W) rows(std::integral_constant<int, NV>{}, j0);
   for (; j0 < ldv; j0 += W) rows(std::integral_constant<int, 1>{}, j0);
+}
+
+/// Whether any run[i] * d[i] leaves [lo, hi] (NaN stays in: it propagates either way).
+template <class Acc>
+RECATTN_NOINLINE bool leaves_bound(const Acc* run, const Acc* d, std::int64_t n, Acc lo, Acc hi) {
+  using B = xsimd::batch<Acc, arch>;
+  const B lob(lo), hib(hi);
+  auto bad = B(Acc(0)) != B(Acc(0));
+  for (std::int64_t i = 0; i < n; i += std::int64_t(B::size)) {
+    const B x = B::load_aligned(run + i) * B::load_aligned(d + i);
+    bad = bad | (x < lob) | (x > hib);
+  }
+  return xsimd::any(bad);
+}
+
+/// Advances a segment's decay products by one token's decays d: run *= d, or, at a
+/// segment start, saves run (f1) and d (f2) for the state and restarts run at 1.
+template <class Acc>
+RECATTN_NOINLINE void advance_run(Acc* run, const Acc* d, std::int64_t n, bool start, Acc* f1, Acc* f2) {
+  using B = xsimd::batch<Acc, arch>;
+  for (std::int64_t i = 0; i < n; i += std::int64_t(B::size)) {
+    const B r = B::load_aligned(run + i), x = B::load_aligned(d + i);
+    if (start) {
+      r.store_aligned(f1 + i);
+      x.store_aligned(f2 + i);
+      B(Acc(1)).store_aligned(run + i);
+    } else {
+      (r * x).store_aligned(run + i);
+    }
+  }
+}
+
+/// up[i] *= run[i] and down[i] /= run[i] (either may be null).
+template <class Acc>
+RECATTN_NOINLINE void rescale_rows(Acc* up, Acc* down, const Acc* run, std::int64_t n) {
+  using B = xsimd::batch<Acc, arch>;
+  for (std::int64_t i = 0; i < n; i += std::int64_t(B::size)) {
+    const B r = B::load_aligned(run + i);
+    if (up) (B::load_aligned(up + i) * r).store_aligned(up + i);
+    if (down) (B::load_aligned(down + i) / r).store_aligned(down + i);
+  }
+}
+
+/// S[a][j] *= row[a] * col[j] (either may be null): the rescaled state back to the true one.
+template <class Acc>
+RECATTN_NOINLINE void unscale_state(Acc* S, std::int64_t K, std::int64_t ld, const Acc* row, const Acc* col) {
+  using B = xsimd::batch<Acc, arch>;
+  for (std::int64_t a = 0; a < K; ++a)
+    for (std::int64_t j = 0; j < ld; j += std::int64_t(B::size)) {
+      B s = B::load_aligned(S + a * ld + j);
+      if (row) s *= B(row[a]);
+      if (col) s *= B::load_aligned(col + j);
+      s.store_aligned(S + a * ld + j);
+    }
 }
 
 }  // namespace detail
@@ -220,41 +302,50 @@ inline std::vector<cfg> cpu_candidate_cfgs(const problem& p) {
 
 namespace detail {
 
-/// One work item: sequence n, head h, value columns [b0, b0 + w) padded to wp.
+/// One work item of the direct form: sequence n, head h, value columns [b0, b0 + w) padded to wp.
 struct work_item {
   std::int64_t n, h, b0, w, wp, batch;
 };
 
+/// One work item of the forward: sequence n, heads [h0, h0 + G), value columns [b0, b0 + w)
+/// padded to wp.
+struct group_item {
+  std::int64_t n, h0, G, b0, w, wp, batch;
+};
+
 /// S[a][j] = state[n, h][a][b0 + j] (zero padded to wp columns), in either layout.
 template <state_layout Layout, class Acc>
-RECATTN_NOINLINE void load_state(const problem& p, const work_item& it, Acc* S) {
+RECATTN_NOINLINE void load_state(const problem& p, const group_item& it, std::int64_t h, Acc* S) {
   for (std::int64_t a = 0; a < p.K; ++a) {
     Acc* row = S + a * it.wp;
     for (std::int64_t j = 0; j < it.wp; ++j) row[j] = Acc(0);
     if (!p.h0.data) continue;
     const Acc* src = static_cast<const Acc*>(p.h0.data);
     if constexpr (Layout == state_layout::kv) {
-      const Acc* s = src + p.h0.offset(it.n, it.h, a) + it.b0;
+      const Acc* s = src + p.h0.offset(it.n, h, a) + it.b0;
       for (std::int64_t j = 0; j < it.w; ++j) row[j] = s[j];
     } else {
-      for (std::int64_t j = 0; j < it.w; ++j) row[j] = src[p.h0.offset(it.n, it.h, it.b0 + j) + a];
+      for (std::int64_t j = 0; j < it.w; ++j) row[j] = src[p.h0.offset(it.n, h, it.b0 + j) + a];
     }
   }
 }
 
 template <state_layout Layout, class Acc>
-RECATTN_NOINLINE void store_state(const problem& p, const work_item& it, const Acc* S) {
+RECATTN_NOINLINE void store_state(const problem& p, const group_item& it, std::int64_t h, const Acc* S) {
   Acc* dst = static_cast<Acc*>(p.ht_data());
   for (std::int64_t a = 0; a < p.K; ++a) {
     const Acc* row = S + a * it.wp;
     if constexpr (Layout == state_layout::kv) {
-      Acc* d = dst + p.ht.offset(it.n, it.h, a) + it.b0;
+      Acc* d = dst + p.ht.offset(it.n, h, a) + it.b0;
       for (std::int64_t j = 0; j < it.w; ++j) d[j] = row[j];
     } else {
-      for (std::int64_t j = 0; j < it.w; ++j) dst[p.ht.offset(it.n, it.h, it.b0 + j) + a] = row[j];
+      for (std::int64_t j = 0; j < it.w; ++j) dst[p.ht.offset(it.n, h, it.b0 + j) + a] = row[j];
     }
   }
 }
+
+/// The direct form's staging (decays exponentiated, q and k as given), for callers that
+/// apply the decays token by token: the decode step (cpu/step.hpp).
 
 /// Staging buffers of one worker for a chunk of tokens.
 template <class Acc>
@@ -303,40 +394,227 @@ RECATTN_NOINLINE void stage_chunk(const problem& p, const work_item& it, const s
   }
 }
 
-/// Asks for a row of `bytes` bytes to be brought into the cache ahead of use. The token
-/// rows of one head are H rows apart in memory, a stride the hardware prefetcher does not
-/// follow across pages; without this the kernel waits on memory a third of its time.
-inline void prefetch_row(const void* row, std::size_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* c = static_cast<const char*>(row);
-  for (std::size_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-#else
-  (void)row;
-  (void)bytes;
-#endif
+/// The rescaled recurrence. Within a segment of tokens, with R_l the product of the row
+/// decays (g, g_gamma, gk) and C_l that of the column decays (gv) since the segment began,
+/// the state is kept as s' with s_l = (R_l C_l^T) .* s'_l, so that
+///   s'_l = s'_{l-1} + (k_l / R_l) (v_l / C_l)^T   and   o_l = C_l .* ((R_l q_l)^T s'_l):
+/// the scan does two FMAs per state element whatever the gates, and the gates cost O(K + V)
+/// per token here. A segment ends before the token that would take any R or C out of
+/// [e^-B, e^B] (so neither k / R nor q R can overflow or underflow: errors stay relative to
+/// the current magnitudes, as in the direct recurrence); that token starts the next segment
+/// with its decay applied to the true state as a plain multiply (segment_factors).
+template <class Acc> struct rescale_bound {
+  static constexpr Acc lo = Acc(2.061153622438558e-9);  // e^-20
+  static constexpr Acc hi = Acc(4.851651954097903e8);   // e^20
+};
+
+/// Staging buffers of one forward worker: per head of the item, a chunk of tokens.
+template <class Acc>
+struct group_buffers {
+  Acc *qs, *ks;          ///< [G][chunk][Kp]: q R * scale, k / R
+  Acc *vs, *cs;          ///< [G][chunk][wp]: v / C, C
+  Acc *fr1, *fr2;        ///< [G][chunk][Kp]: segment-start row factors
+  Acc *fc1, *fc2;        ///< [G][chunk][wp]: segment-start column factors
+  Acc *run_r, *run_c;    ///< [G][Kp], [G][wp]: R and C of the current segment
+  Acc *dr, *dc;          ///< [Kp], [wp]: one token's decays
+  Acc* os;               ///< [chunk][wp]: outputs of one head
+  unsigned char* starts; ///< [G][chunk]: token starts a segment
+  std::int64_t Kp, chunk;
+  Acc* head(Acc* base, std::int64_t j, std::int64_t row) const { return base + j * chunk * row; }
+};
+
+/// Converts the chunk's tokens `t[0..cl)` of every head of the item to Acc, exponentiates
+/// the gates and applies the segment rescaling. Tokens outer, heads inner: the rows of one
+/// token for consecutive heads are adjacent in memory.
+template <class T, unsigned Gates, class Acc>
+RECATTN_NOINLINE void stage_group(const problem& p, const group_item& it, const std::int64_t* t, std::int64_t cl,
+                                  const Acc* gamma, const group_buffers<Acc>& sb) {
+  using Pol = forward_policy<Gates, false, false, state_layout::kv>;
+  const std::int64_t K = p.K, Kp = sb.Kp, wp = it.wp, b = it.batch;
+  const Acc scale = Acc(p.scale);
+  const Acc lo = rescale_bound<Acc>::lo, hi = rescale_bound<Acc>::hi;
+  for (std::int64_t l = 0; l < cl; ++l)
+    for (std::int64_t j = 0; j < it.G; ++j) {
+      const std::int64_t h = it.h0 + j;
+      const std::int64_t hq = h / (p.H / p.Hq), hk = h / (p.H / p.Hk), hv = h / (p.H / p.Hv);
+      Acc* qr = sb.head(sb.qs, j, Kp) + l * Kp;
+      Acc* kr = sb.head(sb.ks, j, Kp) + l * Kp;
+      Acc* vr = sb.head(sb.vs, j, wp) + l * wp;
+      convert_row<Acc>(static_cast<const T*>(p.q.data) + p.q.offset(b, t[l], hq), p.type, K, qr, scale);
+      convert_row<Acc>(static_cast<const T*>(p.k.data) + p.k.offset(b, t[l], hk), p.type, K, kr);
+      for (std::int64_t a = K; a < Kp; ++a) qr[a] = kr[a] = Acc(0);
+      convert_row<Acc>(static_cast<const T*>(p.v.data) + p.v.offset(b, t[l], hv) + it.b0, p.type, it.w, vr);
+      for (std::int64_t c = it.w; c < wp; ++c) vr[c] = Acc(0);
+      if constexpr (Pol::decay_k || Pol::decay_v) {
+        bool start = false;
+        Acc* run_r = sb.run_r + j * Kp;
+        Acc* run_c = sb.run_c + j * wp;
+        if constexpr (Pol::decay_k) {
+          Acc base = gamma[j];
+          if constexpr (Pol::has_g) base += load_as<Acc>(p.g.data, p.g.type, p.g.offset(b, t[l], h));
+          if constexpr (Pol::has_gk) {
+            const std::size_t es = dtype_size(p.gk.type);
+            convert_row<Acc>(static_cast<const char*>(p.gk.data) + std::size_t(p.gk.offset(b, t[l], h)) * es, p.gk.type, K,
+                             sb.dr);
+            for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(0);
+            exp_row(sb.dr, Kp, base);
+          } else {
+            const Acc d = std::exp(base);
+            for (std::int64_t a = 0; a < K; ++a) sb.dr[a] = d;
+          }
+          for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(1);
+          start = leaves_bound(run_r, sb.dr, Kp, lo, hi);
+        }
+        if constexpr (Pol::decay_v) {
+          const std::size_t es = dtype_size(p.gv.type);
+          convert_row<Acc>(static_cast<const char*>(p.gv.data) + std::size_t(p.gv.offset(b, t[l], h) + it.b0) * es,
+                           p.gv.type, it.w, sb.dc);
+          for (std::int64_t c = it.w; c < wp; ++c) sb.dc[c] = Acc(0);
+          exp_row(sb.dc, wp, Acc(0));
+          for (std::int64_t c = it.w; c < wp; ++c) sb.dc[c] = Acc(1);
+          start = leaves_bound(run_c, sb.dc, wp, lo, hi) || start;
+        }
+        sb.starts[j * sb.chunk + l] = start;
+        if constexpr (Pol::decay_k) {
+          advance_run(run_r, sb.dr, Kp, start, sb.head(sb.fr1, j, Kp) + l * Kp, sb.head(sb.fr2, j, Kp) + l * Kp);
+          rescale_rows<Acc>(qr, kr, run_r, Kp);
+        }
+        if constexpr (Pol::decay_v) {
+          advance_run(run_c, sb.dc, wp, start, sb.head(sb.fc1, j, wp) + l * wp, sb.head(sb.fc2, j, wp) + l * wp);
+          rescale_rows<Acc>(nullptr, vr, run_c, wp);
+          Acc* cr = sb.head(sb.cs, j, wp) + l * wp;
+          for (std::int64_t c = 0; c < wp; ++c) cr[c] = run_c[c];
+        }
+      }
+    }
 }
 
-/// Prefetches every input row that stage_chunk will read for tokens t[0..cl).
+#ifndef RECATTN_CPU_PREFETCH_HINT
+#define RECATTN_CPU_PREFETCH_HINT 3
+#endif
+
+/// The input rows the next chunk's staging will read, prefetched a few cache lines at a
+/// time while the current chunk is scanned. The token rows of one head lie H rows apart in
+/// memory, a stride the hardware prefetcher does not follow across pages; a burst of
+/// prefetches for a whole chunk overflows the outstanding-miss queues (most are dropped),
+/// so the queue spreads them evenly over the scan's register tiles.
+struct prefetch_queue {
+  struct span { const char *begin, *end; };  ///< cache-line aligned
+  std::vector<span> spans;
+  std::size_t next = 0;
+  const char* at = nullptr;
+  std::int64_t lines = 0;  ///< lines in the queue when planned
+
+  /// Room for `n` spans, taken before the kernel writes anything.
+  explicit prefetch_queue(std::size_t n) { spans.reserve(n); }
+  void clear() { spans.clear(), next = 0, at = nullptr, lines = 0; }
+  void add(const void* p, std::size_t bytes) {
+    const auto line = [](const char* c) { return reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(c) & ~std::uintptr_t(63)); };
+    const char* b = line(static_cast<const char*>(p));
+    const char* e = line(static_cast<const char*>(p) + bytes + 63);
+    if (!spans.empty() && b >= spans.back().begin && b <= spans.back().end) {  // adjacent rows: one span
+      lines += std::max<std::int64_t>(0, (e - spans.back().end) / 64);
+      spans.back().end = std::max(spans.back().end, e);
+      return;
+    }
+    spans.push_back({b, e});
+    lines += (e - b) / 64;
+  }
+  void issue(std::int64_t n) {
+    for (; n > 0 && next < spans.size(); --n) {
+      if (!at) at = spans[next].begin;
+#if defined(__GNUC__) || defined(__clang__)
+      __builtin_prefetch(at, 0, RECATTN_CPU_PREFETCH_HINT);
+#endif
+      at += 64;
+      if (at >= spans[next].end) ++next, at = nullptr;
+    }
+  }
+  void issue_all() { issue(std::numeric_limits<std::int64_t>::max()); }
+};
+
+/// Queues every input row that stage_group will read for tokens t[0..cl).
 template <class T, unsigned Gates>
-RECATTN_NOINLINE void prefetch_chunk(const problem& p, const work_item& it, const std::int64_t* t, std::int64_t cl) {
+RECATTN_NOINLINE void plan_prefetch(const problem& p, const group_item& it, const std::int64_t* t, std::int64_t cl,
+                                    prefetch_queue& pq) {
   using Pol = forward_policy<Gates, false, false, state_layout::kv>;
-  const std::int64_t b = it.batch, h = it.h;
-  const std::int64_t hq = h / (p.H / p.Hq), hk = h / (p.H / p.Hk), hv = h / (p.H / p.Hv);
+  const std::int64_t b = it.batch;
   const std::size_t kb = std::size_t(p.K) * sizeof(T), vb = std::size_t(it.w) * sizeof(T);
+  pq.clear();
+  // Tensor by tensor, so that the rows of consecutive heads merge into one span.
   for (std::int64_t l = 0; l < cl; ++l) {
-    prefetch_row(static_cast<const T*>(p.q.data) + p.q.offset(b, t[l], hq), kb);
-    prefetch_row(static_cast<const T*>(p.k.data) + p.k.offset(b, t[l], hk), kb);
-    prefetch_row(static_cast<const T*>(p.v.data) + p.v.offset(b, t[l], hv) + it.b0, vb);
+    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
+      pq.add(static_cast<const T*>(p.q.data) + p.q.offset(b, t[l], h / (p.H / p.Hq)), kb);
+    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
+      pq.add(static_cast<const T*>(p.k.data) + p.k.offset(b, t[l], h / (p.H / p.Hk)), kb);
+    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
+      pq.add(static_cast<const T*>(p.v.data) + p.v.offset(b, t[l], h / (p.H / p.Hv)) + it.b0, vb);
     if constexpr (Pol::has_gk) {
       const std::size_t es = dtype_size(p.gk.type);
-      prefetch_row(static_cast<const char*>(p.gk.data) + std::size_t(p.gk.offset(b, t[l], h)) * es, std::size_t(p.K) * es);
+      for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
+        pq.add(static_cast<const char*>(p.gk.data) + std::size_t(p.gk.offset(b, t[l], h)) * es, std::size_t(p.K) * es);
     }
     if constexpr (Pol::has_gv) {
       const std::size_t es = dtype_size(p.gv.type);
-      prefetch_row(static_cast<const char*>(p.gv.data) + std::size_t(p.gv.offset(b, t[l], h) + it.b0) * es,
-                   std::size_t(it.w) * es);
+      for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
+        pq.add(static_cast<const char*>(p.gv.data) + std::size_t(p.gv.offset(b, t[l], h) + it.b0) * es,
+               std::size_t(it.w) * es);
     }
   }
+}
+
+/// The recurrence of one staged chunk for head j of the item: the chunk's segments in
+/// order, then its outputs (times C for a column decay) stored at their positions.
+/// `pq`: the next chunk's rows, of which this head's share (1/G) is prefetched.
+template <class T, class Acc, bool DecayK, bool DecayV>
+RECATTN_NOINLINE void scan_chunk(const problem& p, const group_item& it, std::int64_t j, const std::int64_t* t,
+                                 std::int64_t cl, const group_buffers<Acc>& sb, Acc* S, prefetch_queue& pq) {
+  const std::int64_t Kp = sb.Kp, wp = it.wp;
+  constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  constexpr int R = tile_shape<Acc>::rows, NV = tile_shape<Acc>::regs;
+  const std::int64_t tiles = (p.K / R + p.K % R) * (wp / (NV * W) + wp % (NV * W) / W);
+  const std::int64_t per_tile = (pq.lines / it.G + tiles - 1) / tiles + 1;
+  auto prefetch = [&] { pq.issue(per_tile); };
+  for (std::int64_t i = 0; i < cl * wp; ++i) sb.os[i] = Acc(0);
+  const unsigned char* starts = sb.starts + j * sb.chunk;
+  const Acc* qs = sb.head(sb.qs, j, Kp);
+  const Acc* ks = sb.head(sb.ks, j, Kp);
+  const Acc* vs = sb.head(sb.vs, j, wp);
+  for (std::int64_t l0 = 0, l1; l0 < cl; l0 = l1) {
+    l1 = l0 + 1;
+    if constexpr (DecayK || DecayV)
+      while (l1 < cl && !starts[l1]) ++l1;
+    else
+      l1 = cl;
+    segment_factors<Acc> f;
+    if ((DecayK || DecayV) && starts[l0]) {
+      if (DecayK) f.r1 = sb.head(sb.fr1, j, Kp) + l0 * Kp, f.r2 = sb.head(sb.fr2, j, Kp) + l0 * Kp;
+      if (DecayV) f.c1 = sb.head(sb.fc1, j, wp) + l0 * wp, f.c2 = sb.head(sb.fc2, j, wp) + l0 * wp;
+    }
+    scan(l1 - l0, p.K, qs + l0 * Kp, ks + l0 * Kp, Kp, vs + l0 * wp, wp, S, sb.os + l0 * wp, f, prefetch);
+  }
+  if constexpr (DecayV) rescale_rows<Acc>(sb.os, nullptr, sb.head(sb.cs, j, wp), cl * wp);
+  T* out = static_cast<T*>(p.out_data());
+  const std::int64_t h = it.h0 + j;
+  for (std::int64_t l = 0; l < cl; ++l) store_row(sb.os + l * wp, it.w, out + p.out.offset(it.batch, t[l], h) + it.b0);
+}
+
+/// Heads per work item: the item stages the rows of consecutive heads together (adjacent
+/// in memory), as many as keep their states within `state_budget` bytes while leaving at
+/// least two items per thread.
+#ifndef RECATTN_CPU_GROUP_STATE_BYTES
+#define RECATTN_CPU_GROUP_STATE_BYTES (512 * 1024)
+#endif
+#ifndef RECATTN_CPU_ITEMS_PER_THREAD
+#define RECATTN_CPU_ITEMS_PER_THREAD 1
+#endif
+inline std::int64_t heads_per_item(const problem& p, std::int64_t state_bytes, std::int64_t nvb, int threads) {
+  constexpr std::int64_t state_budget = RECATTN_CPU_GROUP_STATE_BYTES;
+  const std::int64_t min_items = std::min<std::int64_t>(RECATTN_CPU_ITEMS_PER_THREAD * std::int64_t(threads), p.N * p.H * nvb);
+  std::int64_t best = 1;
+  for (std::int64_t G = 2; G <= p.H; ++G)
+    if (p.H % G == 0 && G * state_bytes <= state_budget && p.N * (p.H / G) * nvb >= min_items) best = G;
+  return best;
 }
 
 }  // namespace detail
@@ -348,62 +626,96 @@ template <class T, class Policy>
 void forward_kernel(const problem& p, const cfg& c) {
   using Acc = accum_t<T>;
   constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  constexpr bool decay = Policy::decay_k || Policy::decay_v;
   const std::int64_t K = p.K, V = p.V;
   const std::int64_t Kp = detail::round_up(K, W);
   const std::int64_t bv = std::min(detail::round_up(std::max<std::int64_t>(c.block_v, 1), W), detail::round_up(V, W));
   const std::int64_t nvb = (V + bv - 1) / bv;
   const std::int64_t chunk = std::max<std::int64_t>(1, c.chunk);
-  const std::int64_t items = p.N * p.H * nvb;
-  const int threads = int(std::max<std::int64_t>(1, std::min<std::int64_t>(c.threads, items)));
+  const int want_threads = std::max(1, c.threads);
+  const std::int64_t G = detail::heads_per_item(p, K * bv * std::int64_t(sizeof(Acc)), nvb, want_threads);
+  const std::int64_t items = p.N * (p.H / G) * nvb;
+  const int threads = int(std::max<std::int64_t>(1, std::min<std::int64_t>(want_threads, items)));
   if (items == 0) return;
 
   // All scratch is taken before anything is written: an allocation failure leaves the
   // caller's buffers as they were.
-  const std::size_t per_thread = std::size_t(K * bv + 3 * chunk * Kp + 3 * chunk * bv);
+  const std::size_t per_thread = std::size_t(G * K * bv + G * chunk * (4 * Kp + 4 * bv) + G * (Kp + bv) + Kp + bv +
+                                             chunk * bv);
   detail::aligned_buffer<Acc> scratch(per_thread * std::size_t(threads));
   std::vector<std::int64_t> token_buf(std::size_t(2 * chunk * threads));
+  std::vector<unsigned char> start_buf(std::size_t(G * chunk * threads));
+  std::vector<Acc> gamma_buf(std::size_t(G * threads));
+  std::vector<detail::prefetch_queue> queues(std::size_t(threads), detail::prefetch_queue(std::size_t(5 * chunk * G)));
 
   parallel_for(items, threads, [&](std::int64_t item, int worker) {
-    detail::work_item it;
+    detail::group_item it;
     const std::int64_t vb = item % nvb;
-    it.h = (item / nvb) % p.H;
-    it.n = item / (nvb * p.H);
+    it.G = G;
+    it.h0 = ((item / nvb) % (p.H / G)) * G;
+    it.n = item / (nvb * (p.H / G));
     it.b0 = vb * bv;
     it.w = std::min(bv, V - it.b0);
     it.wp = detail::round_up(it.w, W);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, it.n);
     it.batch = seq.batch;
 
-    Acc* S = scratch.get() + per_thread * std::size_t(worker);
-    detail::stage_buffers<Acc> sb;
+    Acc* states = scratch.get() + per_thread * std::size_t(worker);
+    const std::int64_t sstride = K * it.wp;
+    detail::group_buffers<Acc> sb;
     sb.Kp = Kp;
-    sb.qs = S + K * bv;
-    sb.ks = sb.qs + chunk * Kp;
-    sb.dks = sb.ks + chunk * Kp;
-    sb.vs = sb.dks + chunk * Kp;
-    sb.dvs = sb.vs + chunk * bv;
-    sb.os = sb.dvs + chunk * bv;
+    sb.chunk = chunk;
+    Acc* m = states + G * K * bv;
+    auto take = [&m](std::int64_t n) { Acc* r = m; m += n; return r; };
+    sb.qs = take(G * chunk * Kp);
+    sb.ks = take(G * chunk * Kp);
+    sb.fr1 = take(G * chunk * Kp);
+    sb.fr2 = take(G * chunk * Kp);
+    sb.vs = take(G * chunk * bv);
+    sb.cs = take(G * chunk * bv);
+    sb.fc1 = take(G * chunk * bv);
+    sb.fc2 = take(G * chunk * bv);
+    sb.run_r = take(G * Kp);
+    sb.run_c = take(G * bv);
+    sb.dr = take(Kp);
+    sb.dc = take(bv);
+    sb.os = take(chunk * bv);
+    sb.starts = start_buf.data() + std::size_t(G * chunk * worker);
     std::int64_t* tok = token_buf.data() + 2 * chunk * worker;
     std::int64_t* next = tok + chunk;
+    Acc* gamma = gamma_buf.data() + G * worker;
 
-    detail::load_state<Policy::layout>(p, it, S);
-    Acc gamma = Acc(0);
-    if constexpr (Policy::has_g_gamma) gamma = load_as<Acc>(p.g_gamma.data, p.g_gamma.type, p.g_gamma.offset(it.n, it.h, 0));
+    for (std::int64_t j = 0; j < G; ++j) {
+      detail::load_state<Policy::layout>(p, it, it.h0 + j, states + j * sstride);
+      gamma[j] = Acc(0);
+      if constexpr (Policy::has_g_gamma)
+        gamma[j] = load_as<Acc>(p.g_gamma.data, p.g_gamma.type, p.g_gamma.offset(it.n, it.h0 + j, 0));
+    }
+    if constexpr (decay) {
+      for (std::int64_t i = 0; i < G * Kp; ++i) sb.run_r[i] = Acc(1);
+      for (std::int64_t i = 0; i < G * it.wp; ++i) sb.run_c[i] = Acc(1);
+    }
 
     for (std::int64_t i0 = 0; i0 < seq.len; i0 += chunk) {
       const std::int64_t cl = std::min(chunk, seq.len - i0);
       for (std::int64_t l = 0; l < cl; ++l) tok[l] = seq.template token<Policy::reverse>(i0 + l);
-      detail::stage_chunk<T, Policy::gates>(p, it, tok, cl, gamma, sb);
+      detail::stage_group<T, Policy::gates>(p, it, tok, cl, static_cast<const Acc*>(gamma), sb);
       // The next chunk's rows arrive while this one is scanned.
       const std::int64_t ncl = std::min(chunk, seq.len - i0 - cl);
       for (std::int64_t l = 0; l < ncl; ++l) next[l] = seq.template token<Policy::reverse>(i0 + cl + l);
-      detail::prefetch_chunk<T, Policy::gates>(p, it, next, ncl);
-      detail::scan<Acc, Policy::decay_k, Policy::decay_v>(cl, K, sb.qs, sb.ks, sb.dks, Kp, sb.vs, sb.dvs, it.wp, S, sb.os);
-      T* out = static_cast<T*>(p.out_data());
-      for (std::int64_t l = 0; l < cl; ++l)
-        detail::store_row(sb.os + l * it.wp, it.w, out + p.out.offset(it.batch, tok[l], it.h) + it.b0);
+      detail::prefetch_queue& pq = queues[std::size_t(worker)];
+      detail::plan_prefetch<T, Policy::gates>(p, it, next, ncl, pq);
+      for (std::int64_t j = 0; j < G; ++j)
+        detail::scan_chunk<T, Acc, Policy::decay_k, Policy::decay_v>(p, it, j, tok, cl, sb, states + j * sstride, pq);
+      pq.issue_all();
     }
-    if (p.ht.data) detail::store_state<Policy::layout>(p, it, S);
+    for (std::int64_t j = 0; j < G; ++j) {
+      Acc* S = states + j * sstride;
+      if constexpr (decay)
+        detail::unscale_state<Acc>(S, K, it.wp, Policy::decay_k ? sb.run_r + j * Kp : nullptr,
+                                   Policy::decay_v ? sb.run_c + j * it.wp : nullptr);
+      if (p.ht.data) detail::store_state<Policy::layout>(p, it, it.h0 + j, S);
+    }
   });
 }
 
