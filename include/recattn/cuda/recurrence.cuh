@@ -318,15 +318,17 @@ __device__ __forceinline__ void scalar_factors(const Acc* g, Acc gamma, int cl, 
     fm[l1] = s1 ? Acc(exp(P1 - Pr0)) : Acc(1);
   }
   // Group of 4 tokens = lanes 2 j, 2 j + 1.
+  // (The shuffle is outside any short-circuit: every lane of the mask must reach it.)
   const bool any = s0 || s1;
-  const bool grp = any || __shfl_xor_sync(0xffffffffu, any, 1);
+  const bool other = __shfl_xor_sync(0xffffffffu, any, 1);
+  const bool grp = any || other;
   if ((lane & 1) == 0 && 4 * (lane >> 1) < chunk) fgrp[lane >> 1] = grp ? Acc(1) : Acc(0);
   // Chunk end: the state is s_last = exp(P_last - P_ref_last) s'; carried into the next
   // chunk's start factor together with that chunk's first decay.
   const int last = cl - 1;
   const double Pl = P_of(last);
-  const double Prl = P_of(last == 0 ? 0 : ((last & 1) ? __shfl_sync(0xffffffffu, r1, last >> 1)
-                                                       : __shfl_sync(0xffffffffu, r0, last >> 1)));
+  const int last_r0 = __shfl_sync(0xffffffffu, r0, last >> 1), last_r1 = __shfl_sync(0xffffffffu, r1, last >> 1);
+  const double Prl = P_of(last == 0 ? 0 : ((last & 1) ? last_r1 : last_r0));
   if (lane == 0) {
     *fpre = Acc(pending * exp(glog(0)));
     *fend = Acc(exp(Pl - Prl));
