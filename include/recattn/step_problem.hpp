@@ -66,9 +66,11 @@ struct step_options {
   recattn::platform platform = recattn::platform::automatic;
   std::optional<recattn::cfg> cfg;
   void* stream = nullptr;  ///< cudaStream_t for platform cuda (null: the default stream)
-  /// Checks the values of state_indices and snapshot_indices (range, duplicates). Off: the
-  /// caller guarantees them (device-resident indices on the CUDA hot path, whose check costs
-  /// a copy to the host and a synchronisation).
+  /// Checks the values of state_indices and snapshot_indices (range, duplicates) before
+  /// anything is written. Device-resident indices (platform cuda) are copied to the host for
+  /// it, ordered on `stream`, and waited for: a synchronisation per call. Off (the CUDA hot
+  /// path): the caller guarantees distinct values; the CUDA kernel still skips a row whose
+  /// slot is >= P and a snapshot whose slot is >= Ps, so nothing is written out of bounds.
   bool check_index_values = true;
 };
 
@@ -142,8 +144,11 @@ inline void check_index_dtype(const char* name, const tensor_view& t) {
 }
 
 /// A host-readable pointer to an index tensor's values: the tensor itself, or (device memory,
-/// CUDA builds) a copy in a thread-local buffer that only grows.
-inline const void* host_readable(const char* name, const tensor_view& t, std::vector<unsigned char>& copy) {
+/// CUDA builds) a copy in a thread-local buffer that only grows. The copy is ordered on
+/// `stream` (work queued there before the call, such as the kernel that wrote the indices, is
+/// seen) and waited for: a synchronisation, which is why check_index_values can be turned off.
+inline const void* host_readable(const char* name, const tensor_view& t, std::vector<unsigned char>& copy,
+                                 void* stream) {
 #if RECATTN_HAS_CUDA
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, t.data()) != cudaSuccess) {
@@ -154,7 +159,9 @@ inline const void* host_readable(const char* name, const tensor_view& t, std::ve
     for (int i = 0; i < t.rank(); ++i) ext += (t.size(i) - 1) * t.stride(i);
     const std::size_t bytes = std::size_t(ext) * dtype_size(t.type());
     if (copy.size() < bytes) copy.resize(bytes);
-    const cudaError_t e = cudaMemcpy(copy.data(), t.data(), bytes, cudaMemcpyDeviceToHost);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    cudaError_t e = cudaMemcpyAsync(copy.data(), t.data(), bytes, cudaMemcpyDeviceToHost, st);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(st);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       fail(name, "device memory that can be copied to the host", cudaGetErrorString(e));
@@ -164,6 +171,7 @@ inline const void* host_readable(const char* name, const tensor_view& t, std::ve
 #else
   (void)name;
   (void)copy;
+  (void)stream;
 #endif
   return t.data();
 }
@@ -245,6 +253,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
   // Variable length.
   p.varlen = opt.cu_seqlens.has_value();
   p.N = p.B;
+  const void* cu_host = nullptr;  // cu_seqlens, host-readable (a copy when it is device memory)
   if (p.varlen) {
     const tensor_view& cu = *opt.cu_seqlens;
     if (single) fail("cu_seqlens", "none with a single-token query [B, Hq, K] (varlen needs [1, Ttot, Hq, K])", dims(cu));
@@ -257,7 +266,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
     p.cu_seqlens = cu.data();
     p.cu_type = cu.type();
     thread_local std::vector<unsigned char> cu_copy;
-    const void* cu_host = host_readable("cu_seqlens", cu, cu_copy);
+    cu_host = host_readable("cu_seqlens", cu, cu_copy, opt.stream);
     std::int64_t prev = load_as<std::int64_t>(cu_host, cu.type(), 0);
     if (prev != 0) fail("cu_seqlens", "cu_seqlens[0] = 0", cat("cu_seqlens[0] = ", prev));
     for (std::int64_t i = 1; i <= p.N; ++i) {
@@ -367,7 +376,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
     sp.indices = ix.data();
     sp.index_type = ix.type();
     sp.index_stride = ix.stride(0);
-    if (opt.check_index_values && p.N > 0) idx_host = host_readable("state_indices", ix, idx_copy);
+    if (opt.check_index_values && p.N > 0) idx_host = host_readable("state_indices", ix, idx_copy, opt.stream);
   } else if (sp.P < p.N) {
     fail("state_pool", cat("at least ", p.N, " slots (row n uses slot n without state_indices)"), cat("P = ", sp.P));
   }
@@ -403,7 +412,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
     sp.snap_index_type = si.type();
     sp.snap_s0 = si.stride(0);
     sp.snap_s1 = single ? 0 : si.stride(1);
-    if (opt.check_index_values && si.numel() > 0) snap_host = host_readable("snapshot_indices", si, snap_copy);
+    if (opt.check_index_values && si.numel() > 0) snap_host = host_readable("snapshot_indices", si, snap_copy, opt.stream);
   } else if (overlaps(state_pool, out)) {
     fail("output", "memory disjoint from state_pool", "a buffer overlapping state_pool");
   }
@@ -441,7 +450,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
     auto row_of = [&](std::int64_t b, std::int64_t t) {
       if (!p.varlen) return b;
       std::int64_t lo = 0, hi = p.N;  // largest n with cu[n] <= t and cu[n + 1] > t
-      const void* cu = p.cu_seqlens;
+      const void* cu = cu_host;
       while (hi - lo > 1) {
         const std::int64_t mid = (lo + hi) / 2;
         if (load_as<std::int64_t>(cu, p.cu_type, mid) <= t) lo = mid; else hi = mid;
