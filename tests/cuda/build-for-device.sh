@@ -25,7 +25,7 @@ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DRECATTN_NATIVE=OFF \
 cmake --build "$dir" -j"$(nproc)" --target "${targets[@]}"
 mkdir -p "$dir/bin"
 for t in "${targets[@]}"; do
-  f="$(find "$dir" -type f -name "$t" -perm -u+x | head -1)"
+  f="$(find "$dir" -path "$dir/bin" -prune -o -type f -name "$t" -perm -u+x -print | head -1)"
   cp "$f" "$dir/bin/"
 done
 cp "$(ldconfig -p | awk '/libbenchmark.so.1debian/ {print $NF; exit}')" "$dir/bin/"
