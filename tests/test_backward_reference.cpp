@@ -27,29 +27,38 @@ TEST_CASE("backward: every gradient matches the double reference for all gate co
   }
 }
 
-TEST_CASE("backward: long sequences with decaying gates stay within SPEC tolerance", "[backward][reference]") {
-  // The gate gradients come from prefix and suffix sums over the whole sequence of per-token
-  // terms computed from float states: their error grows like eps * sqrt(T) (dgk, dgv, dg) and,
-  // for dg_gamma (a sum of T such prefix sums), like eps * T. At 3000 tokens of strong decay
-  // the first stay within 1e-4; dg_gamma is held to 1e-2 (a known limit, see cpu/backward.hpp).
-  for (unsigned gates : {unsigned(gate_gk), unsigned(gate_g | gate_gv), 15u}) {
+TEST_CASE("backward: every gradient stays within 1e-4 of the double reference for T = 16384", "[backward][reference][long]") {
+  // SPEC §6 at its longest sequence, for every gate gradient: the telescoped gate sums and the
+  // g_gamma tangent (cpu/backward.hpp) keep their error at ~1e-5 here, with weak
+  // (log(sigmoid(2 + N(0, 1)))) and strong (log(sigmoid(N(0, 1)))) decay; g_gamma [H] summed over
+  // two sequences and [N, H].
+  struct item {
+    unsigned gates;
+    double bias;
+    bool per_sequence;
+  };
+  const item cases[] = {{unsigned(gate_gk), 0.0, false},
+                        {unsigned(gate_g | gate_gv), 0.0, false},
+                        {unsigned(gate_g_gamma | gate_gk), 2.0, false},
+                        {15u, 0.0, false},
+                        {15u, 2.0, true}};
+  for (const item& c : cases) {
     problem_spec s;
-    s.B = 1;
-    s.T = 3000;
+    s.B = (c.gates & gate_g_gamma) ? 2 : 1;
+    s.T = 16384;
     s.Hq = s.Hk = s.Hv = 1;
-    s.K = 9;
+    s.K = 8;
     s.V = 7;
-    s.gates = gates;
+    s.gates = c.gates;
+    s.g_gamma_per_sequence = c.per_sequence;
     s.initial_state = true;
-    s.gate_bias = 0.0;  // strong decay: log(sigmoid(N(0, 1)))
-    s.seed = 7 + gates;
+    s.gate_bias = c.bias;
+    s.seed = 7 + c.gates;
     const problem_data d = generate(s);
     const incoming in = make_incoming(s, true, 99);
-    INFO(s.str());
-    grad_errors e = compare(run_backward(d, d.options(), in), run_reference_backward(d, d.options(), in));
+    INFO(s.str() << " gate_bias " << c.bias);
+    const grad_errors e = compare(run_backward(d, d.options(), in), run_reference_backward(d, d.options(), in));
     INFO(e.str());
-    CHECK(e.dg_gamma < 1e-2);
-    e.dg_gamma = 0;
     CHECK(e.max() < 1e-4);
   }
 }

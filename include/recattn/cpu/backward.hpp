@@ -14,30 +14,44 @@
 // the same token, which the two sweeps carry in opposite directions. They are obtained
 // without either from the telescoping identities (summing d log D over b, over a, or both)
 //
-//   dgk_i = rowsum(dh0 .* h0) + sum_{j<i} (k_j .* dk_j - q_j .* dq_j)
-//   dgv_i = colsum(dh0 .* h0) + sum_{j<i} (v_j .* dv_j - o_j .* dO_j)
-//   dg_i  = sum(dh0 .* h0)    + sum_{j<i} sum_a (k_j .* dk_j - q_j .* dq_j)
-//   dg_gamma = sum_i dg_i
+//   dgk_i = rowsum(dh0 .* h0) + sum_{j<i} (k_j .* dk'_j - q_j .* dq'_j)
+//   dgv_i = colsum(dh0 .* h0) + sum_{j<i} (v_j .* dv'_j - o'_j .* dO_j)
+//   dg_i  = sum(dh0 .* h0)    + sum_{j<i} sum_a (k_j .* dk'_j - q_j .* dq'_j)
 //
-// (per head, before heads are summed for grouped q/k/v). Sweep B runs first and leaves the
-// suffix sums of its terms in the gate-gradient buffers; sweep A adds its prefix sums and
-// writes the final values. A float32/float64 gate-gradient buffer serves as that storage
-// itself; a bfloat16/half one gets a float scratch of its size (so only then does extra
-// memory grow with T). Nothing divides by a decay.
+// (per head, before heads are summed for grouped q/k/v), where the primed terms leave out
+// token j's own contribution: dk'_j = A_j v_j with A_j = D_{j+1} .* dS_{j+1} (the adjoint
+// before q_j dO_j^T is added), dq'_j = scale (D_j .* S_{j-1}) dO_j (the state before k_j v_j^T
+// is added), and likewise dv', o'. The unprimed terms would carry scale (q_j . k_j)
+// (v_j . dO_j) twice, once in each sweep, cancelling in the difference: with strong decay that
+// pair is most of each term, and its float rounding, summed over thousands of tokens, was
+// most of the error (2e-4 at T = 16384 with log(sigmoid(N(0, 1))) gates; 1e-5 now). The
+// sweeps form dk = dk' + q (v . dO), dq = dq' + k (v . dO) etc. per token, at no extra cost
+// in the state loops.
 //
-// Memory beyond inputs and outputs, for float32/float64 gate gradients: per worker the K x V
-// adjoint or state of each head of its item plus chunk buffers (about 0.5 MB for K = V =
-// 128, chunk 32), and N * H * (K + V + 4) doubles: independent of T (backward_workspace_of
+// dg_gamma = sum_i dg_i would add up T prefix sums whose rounding errors are correlated (the
+// error grew like eps * T: 2e-3 to 6e-2 at T = 16384); it is instead differentiated forward:
+// sweep A carries the tangent R = dS / d g_gamma, R_i = D_i .* (R_{i-1} + S_{i-1}), and
+//   dg_gamma = sum_i scale q_i^T R_i dO_i + <d final_state, R_{L-1}>,
+// one more K x V recurrence only when dg_gamma is asked for (error ~1e-7).
+//
+// Sweep B runs first and hands its per-token terms to sweep A through the gate gradients'
+// own buffers, in the gradient's dtype, with error feedback (the rounding of one token's term
+// is carried into the next), so that the running sums sweep A forms from them are off by one
+// rounding, not T of them: a 16-bit gate gradient needs no float scratch. Sweep A reads each
+// term, writes the final value in its place. Nothing divides by a decay.
+//
+// Memory beyond inputs and outputs: per worker the K x V adjoint or state (and tangent) of
+// each head of its item plus chunk buffers (about 0.5 MB for K = V = 128, chunk 32), and
+// N * H * (K + V + 2) doubles, for every dtype: independent of T (backward_workspace_of
 // reports it). Time: two sweeps of about one forward each (the adjoint sweep does one more
 // multiply-add per state element). Storing a state checkpoint every C tokens would instead
 // cost T / C * K * V per head, and a constant number of checkpoints (revolve) a factor of
 // log T in time.
 //
-// Precision: the prefix and suffix sums add per-token terms computed from float states, so
-// the relative error of dgk, dgv and dg grows like eps * sqrt(T) (about 2e-5 at T = 16000
-// with log(sigmoid(2 + N(0, 1))) gates, 2e-4 with log(sigmoid(N(0, 1)))); dg_gamma, the sum
-// of T such prefix sums, like eps * T (7e-4 at T = 16000 with the first gates). fla's
-// fused_recurrent backward computes its gate gradients the same way (and none for g_gamma).
+// Precision (float, T = 16384, every gate): dq, dk, dv ~8e-8; dgk, dgv, dg ~1e-5 (the
+// remaining rounding of the primed terms, summed over the sequence, grows like
+// eps * sqrt(T)); dg_gamma ~1e-7 to 1e-6. fla's fused_recurrent backward forms its gate
+// gradients from the unprimed terms (and none for g_gamma).
 //
 // Work items: sweep B, (sequence, group of heads that share key or value rows) with the
 // whole K x V adjoint of each head; sweep A, (sequence, group of heads sharing a query row,
@@ -79,9 +93,12 @@ namespace recattn::cpu {
 namespace detail {
 
 /// One chunk of the adjoint sweep for a register tile of R key rows x NV registers of value
-/// columns of dS, in reverse token order. Adds the tile's share of dv_l = dS^T k to dvp
-/// ([L][ldv]); stores (first column tile) or adds the tile's lane partials of dk_l = dS v to
-/// kpart ([L][ldk][W]).
+/// columns of dS, in reverse token order. The tile holds A_l = D_{l+1} .* dS_{l+1} (the
+/// adjoint without token l's own output) when token l is reached; adds the tile's share of
+/// dv'_l = A_l^T k to dvp ([L][ldv]); stores (first column tile) or adds the tile's lane
+/// partials of dk'_l = A_l v to kpart ([L][ldk][W]); then dS_l = A_l + q_l dO_l^T and
+/// A_{l-1} = D_l .* dS_l. (dk = dk' + q (dO . v) and dv = dv' + dO (q . k) are completed per
+/// token by the caller: the gate gradients need the primed terms, see the top of the file.)
 template <class Acc, bool DecayRow, bool DecayCol, int R, int NV>
 inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* drs, std::int64_t ldk,
                          const Acc* vs, const Acc* dos, const Acc* dcs, std::int64_t ldv, Acc* S, std::int64_t lds,
@@ -107,9 +124,9 @@ inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc
       const B qb(qr[i]), kb(kr[i]);
       B dka(Acc(0));
       for (int j = 0; j < NV; ++j) {
-        s[i][j] = xsimd::fma(qb, d[j], s[i][j]);
         dva[j] = xsimd::fma(kb, s[i][j], dva[j]);
         dka = xsimd::fma(s[i][j], v[j], dka);
+        s[i][j] = xsimd::fma(qb, d[j], s[i][j]);
       }
       if constexpr (DecayRow) {
         const B db(dr[i]);
@@ -130,47 +147,76 @@ inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc
 }
 
 /// One chunk of the state sweep on S^T for a register tile of R value rows x NV registers of
-/// key columns, in token order. Adds the tile's share of dq_l = scale * S dO to dqp
-/// ([L][ldk]); with NeedO stores or adds the lane partials of o_l = S^T q to opart
-/// ([L][ldv][W]). dos is dO pre-multiplied by the scale.
-template <class Acc, bool DecayRow, bool DecayCol, bool NeedO, int R, int NV>
+/// key columns, in token order. At token l the tile first decays, D_l .* S_{l-1}, and reads
+/// that (not S_l) for its shares of dq'_l = scale * (D_l .* S_{l-1}) dO (added to dqp,
+/// [L][ldk]) and, with NeedO, the lane partials of o'_l = (D_l .* S_{l-1})^T q (stored or
+/// added to opart, [L][ldv][W]); then S_l = D_l .* S_{l-1} + k v^T. (The caller adds token
+/// l's own terms, dq = dq' + scale k (v . dO), o = o' + v (k . q).) With NeedR it also
+/// carries the tangent R = dS / d g_gamma, R_l = D_l .* (R_{l-1} + S_{l-1}), in Rt ([R][lds])
+/// and adds the tile's share of scale * R_l dO to rqp ([L][ldk]). dos is dO pre-multiplied
+/// by the scale.
+template <class Acc, bool DecayRow, bool DecayCol, bool NeedO, bool NeedR, int R, int NV>
 inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc* drs, std::int64_t ldv,
-                       const Acc* ks, const Acc* qs, const Acc* dcs, std::int64_t ldk, Acc* S, std::int64_t lds,
-                       Acc* dqp, Acc* opart, bool first) {
+                       const Acc* ks, const Acc* qs, const Acc* dcs, std::int64_t ldk, Acc* S, Acc* Rt, std::int64_t lds,
+                       Acc* dqp, Acc* rqp, Acc* opart, bool first) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
   B s[R][NV];
+  B rt[NeedR ? R : 1][NeedR ? NV : 1];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) s[i][j] = B::load_aligned(S + i * lds + j * W);
+    for (int j = 0; j < NV; ++j) {
+      s[i][j] = B::load_aligned(S + i * lds + j * W);
+      if constexpr (NeedR) rt[i][j] = B::load_aligned(Rt + i * lds + j * W);
+    }
   for (std::int64_t l = 0; l < L; ++l) {
     const Acc* vr = vs + l * ldv;
     const Acc* dr = dos + l * ldv;
     const Acc* er = drs + l * ldv;
-    B k[NV], dc[NV], q[NV], dqa[NV];
+    B k[NV], dc[NV], q[NV], dqa[NV], rqa[NeedR ? NV : 1];
     for (int j = 0; j < NV; ++j) {
       k[j] = B::load_aligned(ks + l * ldk + j * W);
       if constexpr (DecayCol) dc[j] = B::load_aligned(dcs + l * ldk + j * W);
       if constexpr (NeedO) q[j] = B::load_aligned(qs + l * ldk + j * W);
       dqa[j] = B::load_aligned(dqp + l * ldk + j * W);
+      if constexpr (NeedR) rqa[j] = B::load_aligned(rqp + l * ldk + j * W);
     }
     Acc* op = opart + l * ldv * W;
     for (int i = 0; i < R; ++i) {
       const B vb(vr[i]), ob(dr[i]);
       B eb(Acc(1));
       if constexpr (DecayRow) eb = B(er[i]);
-      for (int j = 0; j < NV; ++j) s[i][j] = decayed_update<DecayRow, DecayCol>(s[i][j], eb, dc[j], vb, k[j]);
-      for (int j = 0; j < NV; ++j) dqa[j] = xsimd::fma(ob, s[i][j], dqa[j]);
+      B oa(Acc(0));
+      for (int j = 0; j < NV; ++j) {
+        B dec = s[i][j];  // D_l .* S_{l-1}
+        if constexpr (DecayRow && DecayCol) dec = s[i][j] * (eb * dc[j]);
+        else if constexpr (DecayRow) dec = s[i][j] * eb;
+        else if constexpr (DecayCol) dec = s[i][j] * dc[j];
+        if constexpr (NeedR) {
+          if constexpr (DecayRow && DecayCol) rt[i][j] = xsimd::fma(rt[i][j], eb * dc[j], dec);
+          else if constexpr (DecayRow) rt[i][j] = xsimd::fma(rt[i][j], eb, dec);
+          else if constexpr (DecayCol) rt[i][j] = xsimd::fma(rt[i][j], dc[j], dec);
+          else rt[i][j] = rt[i][j] + dec;
+          rqa[j] = xsimd::fma(ob, rt[i][j], rqa[j]);
+        }
+        dqa[j] = xsimd::fma(ob, dec, dqa[j]);
+        if constexpr (NeedO) oa = xsimd::fma(dec, q[j], oa);
+        s[i][j] = xsimd::fma(vb, k[j], dec);
+      }
       if constexpr (NeedO) {
-        B oa(Acc(0));
-        for (int j = 0; j < NV; ++j) oa = xsimd::fma(s[i][j], q[j], oa);
         if (first) oa.store_aligned(op + i * W);
         else (B::load_aligned(op + i * W) + oa).store_aligned(op + i * W);
       }
     }
-    for (int j = 0; j < NV; ++j) dqa[j].store_aligned(dqp + l * ldk + j * W);
+    for (int j = 0; j < NV; ++j) {
+      dqa[j].store_aligned(dqp + l * ldk + j * W);
+      if constexpr (NeedR) rqa[j].store_aligned(rqp + l * ldk + j * W);
+    }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) s[i][j].store_aligned(S + i * lds + j * W);
+    for (int j = 0; j < NV; ++j) {
+      s[i][j].store_aligned(S + i * lds + j * W);
+      if constexpr (NeedR) rt[i][j].store_aligned(Rt + i * lds + j * W);
+    }
 }
 
 /// Horizontal sums of W registers at once (xsimd::haddp), in row order. xsimd 8.1's AVX-512
@@ -248,30 +294,15 @@ inline void for_each_tile(std::int64_t rows, std::int64_t cols_p, Tile&& tile) {
   for (; j0 < cols_p; j0 += W) row_tiles(std::integral_constant<int, 1>{}, j0);
 }
 
-/// Rows of per-token partial sums of a gate gradient: the gradient's own buffer when it
-/// holds float32/float64, else a float scratch of its size.
-struct partial_rows {
-  void* data = nullptr;
-  dtype type = dtype::float32;
-  std::int64_t s0 = 0, s1 = 0, s2 = 0;
-  std::int64_t offset(std::int64_t b, std::int64_t t, std::int64_t h) const { return b * s0 + t * s1 + h * s2; }
-  void load(std::int64_t off, std::int64_t n, double* out) const {
-    if (type == dtype::float64) std::copy_n(static_cast<const double*>(data) + off, n, out);
-    else for (std::int64_t i = 0; i < n; ++i) out[i] = double(static_cast<const float*>(data)[off + i]);
-  }
-  void store(std::int64_t off, std::int64_t n, const double* in) const {
-    if (type == dtype::float64) std::copy_n(in, n, static_cast<double*>(data) + off);
-    else for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(data)[off + i] = float(in[i]);
-  }
-};
-
-/// Writes n doubles to a row of dtype t.
-inline void store_row_as(void* dst, dtype t, std::int64_t off, std::int64_t n, const double* in) {
-  switch (t) {
-    case dtype::float32: for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[off + i] = float(in[i]); return;
-    case dtype::float64: std::copy_n(in, n, static_cast<double*>(dst) + off); return;
-    default: for (std::int64_t i = 0; i < n; ++i) store_as(dst, t, off + i, in[i]); return;
-  }
+/// Stores x + carry into element off of a gate-gradient row of dtype t and keeps in carry
+/// what the rounding to t lost (error feedback): the stored values then add up to the sum of
+/// the x's within one rounding of the last of them, however many are added. Sweep B hands
+/// its per-token terms to sweep A this way, through the gate gradient's own buffer, so a
+/// 16-bit gradient needs no float scratch of its size.
+inline void store_fed(void* dst, dtype t, std::int64_t off, double x, double& carry) {
+  x += carry;
+  store_as(dst, t, off, x);
+  carry = x - load_as<double>(dst, t, off);
 }
 
 /// Loads one (n, h) state slice as M[r][c] (r over rows, c over cols, row stride ldm) from
@@ -311,10 +342,9 @@ inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(
 struct backward_workspace {
   std::size_t per_thread_b = 0, per_thread_a = 0;  ///< sweep B, sweep A scratch of one worker
   int threads_b = 0, threads_a = 0;
-  std::size_t shared = 0;       ///< per-(n, h) constants, independent of T
-  std::size_t token_scratch = 0;  ///< float per-token partials of 16-bit gate gradients (grows with T)
+  std::size_t shared = 0;  ///< per-(n, h) constants
   std::size_t total() const {
-    return per_thread_b * std::size_t(threads_b) + per_thread_a * std::size_t(threads_a) + shared + token_scratch;
+    return per_thread_b * std::size_t(threads_b) + per_thread_a * std::size_t(threads_a) + shared;
   }
 };
 
@@ -326,7 +356,7 @@ struct backward_plan {
   std::int64_t W, K, V, Kp, Vp, C, Ga, Gb, bk, nkb, items_a, items_b;
   int threads_a, threads_b;
   bool want_k, want_v, want_s, want_gamma, need_o;
-  std::size_t per_b, per_a, consts, token_scratch;
+  std::size_t per_b, per_a, consts;
 
   backward_plan(const backward_problem& bp, const cfg& c) {
     const problem& p = bp.fwd;
@@ -360,26 +390,21 @@ struct backward_plan {
     threads_a = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_a)));
     const std::int64_t nk = Gb / (p.H / p.Hk), nv = Gb / (p.H / p.Hv);
     // Sweep B: adjoints, staged chunk (q k dr / v dO dc), dk/dv of a head and of its groups,
-    // dk lane partials; then running sums (double).
+    // dk lane partials; then the rounding carries of the gate terms (double).
     per_b = sizeof(Acc) * std::size_t(Gb * K * Vp + 3 * C * Kp + 3 * C * Vp + C * Kp + C * Vp + nk * C * Kp +
                                       nv * C * Vp + C * Kp * W) +
-            sizeof(double) * std::size_t(Gb * (K + V + 2) + 2 * (K + V));
-    // Sweep A: states S^T, staged chunk (dO v dr / k q dc), dq of a head and of the group,
-    // o and its lane partials; then running sums.
-    per_a = sizeof(Acc) * std::size_t(Ga * V * bk + 3 * C * Vp + 3 * C * bk + 2 * C * bk + C * Vp + C * Vp * W) +
-            sizeof(double) * std::size_t(Ga * (bk + V + 2) + 2 * (K + V));
+            sizeof(double) * std::size_t(Gb * (K + V + 1));
+    // Sweep A: states S^T (and their g_gamma tangents), staged chunk (dO v dr / k q dc), dq
+    // of a head (and the tangent's R dO), dq of the group, o and its lane partials; then
+    // running sums.
+    const std::int64_t nr = want_gamma ? 1 : 0;
+    per_a = sizeof(Acc) * std::size_t((1 + nr) * Ga * V * bk + 3 * C * Vp + 3 * C * bk + (2 + nr) * C * bk + C * Vp +
+                                      C * Vp * W) +
+            sizeof(double) * std::size_t(Ga * (bk + V + 2));
     // Every worker's slice starts 64-byte aligned.
     per_b = (per_b + 63) / 64 * 64;
     per_a = (per_a + 63) / 64 * 64;
-    consts = sizeof(double) * std::size_t(p.N * p.H * (K + V + 4));
-    token_scratch = 0;
-    auto scratch_of = [&](bool want, const strided3& out, std::int64_t width) {
-      if (want && out.type != dtype::float32 && out.type != dtype::float64)
-        token_scratch += sizeof(float) * std::size_t(p.B * p.T * p.H * width);
-    };
-    scratch_of(want_k, bp.dgk, K);
-    scratch_of(want_v, bp.dgv, V);
-    scratch_of(want_s, bp.dg, 1);
+    consts = sizeof(double) * std::size_t(p.N * p.H * (K + V + 2));
   }
 };
 
@@ -397,8 +422,7 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   const std::int64_t gq = p.H / p.Hq, gkh = p.H / p.Hk, gvh = p.H / p.Hv;
   const std::int64_t nk = Gb / gkh, nv = Gb / gvh;
   const bool want_k = plan.want_k, want_v = plan.want_v, want_s = plan.want_s, want_gamma = plan.want_gamma;
-  const bool want_scalar = want_s || want_gamma;
-  const bool want_any = want_k || want_v || want_scalar;
+  const bool want_any = want_k || want_v || want_s;
   constexpr int TR = RECATTN_CPU_BWD_TILE_ROWS, TV = RECATTN_CPU_BWD_TILE_REGS;
   // Decays of sweep B's adjoint rows (a) and columns (b), as in the forward; sweep A holds
   // S^T, so there the scalar gates fold into the rows (b) and gk decays the columns (a).
@@ -409,39 +433,18 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   // All scratch is taken before anything is written.
   d::aligned_buffer<Acc> scratch_b(plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b) + 1);
   d::aligned_buffer<Acc> scratch_a(plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a) + 1);
-  std::vector<double> consts(std::size_t(p.N * p.H * (K + V + 4)), 0.0);
-  std::vector<float> token_scratch(plan.token_scratch / sizeof(float));
+  std::vector<double> consts(std::size_t(p.N * p.H * (K + V + 2)), 0.0);
   // Sweep B's lane partials of dk must be zero in the padding rows [K, Kp).
   std::fill_n(scratch_b.get(), plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b), Acc(0));
   std::fill_n(scratch_a.get(), plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a), Acc(0));
 
-  std::size_t scratch_used = 0;
-  auto partial_for = [&](bool want, const strided3& out, std::int64_t width) {
-    d::partial_rows r;
-    if (!want) return r;
-    if (out.type == dtype::float32 || out.type == dtype::float64) {
-      r.data = backward_problem::data(out);
-      r.type = out.type;
-      r.s0 = out.s0;
-      r.s1 = out.s1;
-      r.s2 = out.s2;
-    } else {
-      r.data = token_scratch.data() + scratch_used;
-      r.type = dtype::float32;
-      r.s2 = width;
-      r.s1 = p.H * width;
-      r.s0 = p.T * p.H * width;
-      scratch_used += std::size_t(p.B * p.T * p.H * width);
-    }
-    return r;
-  };
-  const d::partial_rows part_k = partial_for(want_k, bp.dgk, K);
-  const d::partial_rows part_v = partial_for(want_v, bp.dgv, V);
-  const d::partial_rows part_s = partial_for(want_s, bp.dg, 1);
-  // consts[(n * H + h)]: rowsum(dh0 .* h0) + sum_j k.dk [K], colsum + sum_j v.dv [V],
-  // sum + sum_j sum_a k.dk, sum(dh0 .* h0), sum_j (L-1-j) sum_a k.dk, and sweep A's dg_gamma.
-  const std::int64_t cstride = K + V + 4;
+  // consts[(n * H + h)]: rowsum(dh0 .* h0) [K], colsum(dh0 .* h0) [V], sum(dh0 .* h0), each
+  // plus sweep B's last rounding carry; then dg_gamma of (n, h).
+  const std::int64_t cstride = K + V + 2;
   auto cst = [&](std::int64_t n, std::int64_t h) { return consts.data() + std::size_t((n * p.H + h) * cstride); };
+  void* const dgk_out = want_k ? backward_problem::data(bp.dgk) : nullptr;
+  void* const dgv_out = want_v ? backward_problem::data(bp.dgv) : nullptr;
+  void* const dg_out = want_s ? backward_problem::data(bp.dg) : nullptr;
 
   const T* qd = static_cast<const T*>(p.q.data);
   const T* kd = static_cast<const T*>(p.k.data);
@@ -474,9 +477,8 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     Acc* dkg = dvh + C * Vp;
     Acc* dvg = dkg + nk * C * Kp;
     Acc* kpart = dvg + nv * C * Vp;
-    double* run = reinterpret_cast<double*>(kpart + C * Kp * W);  // [Gb][K + V + 2]
-    double* tmp = run + Gb * (K + V + 2);                              // [2 (K + V)]
-    const std::int64_t rs = K + V + 2;
+    double* run = reinterpret_cast<double*>(kpart + C * Kp * W);  // [Gb][K + V + 1] rounding carries
+    const std::int64_t rs = K + V + 1;
     for (std::int64_t i = 0; i < Gb * rs; ++i) run[i] = 0.0;
 
     for (std::int64_t hl = 0; hl < Gb; ++hl)
@@ -528,9 +530,6 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
             d::prefetch(dod + bp.d_out.offset(bidx, t, h), V, sizeof(T));
             if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h)), K, dtype_size(p.gk.type));
             if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
-            if (want_k)
-              d::prefetch(static_cast<const char*>(part_k.data) + part_k.offset(bidx, t, h) * dtype_size(part_k.type), K,
-                          dtype_size(part_k.type));
           }
         std::fill_n(dvh, cl * Vp, Acc(0));
         Acc* S = Sall + hl * K * Vp;
@@ -541,47 +540,45 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         });
         d::reduce_lanes(cl, Kp, kpart, dkh, Kp);
 
-        // Per-head gate bookkeeping (reverse order: suffix sums), then the group sums.
-        double* rK = run + hl * rs;
-        double* rV = rK + K;
-        double* rS = rV + V;  // [0] sum_j sum_a k.dk, [1] sum_j (L-1-j) sum_a k.dk
+        // Per token: the gate terms k .* dk' and v .* dv' go to sweep A through the gate
+        // gradients' own buffers; dk and dv get the token's own output term and are summed
+        // over the group.
+        double* cK = run + hl * rs;
+        double* cV = cK + K;
+        double* cS = cV + V;
         for (std::int64_t l = cl - 1; l >= 0; --l) {
-          const std::int64_t i = i0 + l, t = seq.template token<Policy::reverse>(i);
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+          const Acc* qr = qs + l * Kp;
           const Acc* kr = ks + l * Kp;
+          const Acc* vr = vs + l * Vp;
+          const Acc* dr = dos + l * Vp;
           const Acc* dk = dkh + l * Kp;
+          const Acc* dv = dvh + l * Vp;
           if (want_any) {
-            // Kept apart so that each loop vectorizes (the scalar sum is ordered).
             double sk = 0.0;
-            if (want_scalar)
-              for (std::int64_t a = 0; a < K; ++a) sk += double(kr[a]) * double(dk[a]);
             if (want_k) {
+              const std::int64_t off = bp.dgk.offset(bidx, t, h);
               for (std::int64_t a = 0; a < K; ++a) {
-                rK[a] += double(kr[a]) * double(dk[a]);
-                tmp[a] = -rK[a];
+                const double x = double(kr[a]) * double(dk[a]);
+                sk += x;
+                d::store_fed(dgk_out, bp.dgk.type, off + a, x, cK[a]);
               }
-              part_k.store(part_k.offset(bidx, t, h), K, tmp);
+            } else if (want_s) {
+              for (std::int64_t a = 0; a < K; ++a) sk += double(kr[a]) * double(dk[a]);
             }
             if (want_v) {
-              const Acc* vr = vs + l * Vp;
-              const Acc* dv = dvh + l * Vp;
-              for (std::int64_t j = 0; j < V; ++j) {
-                rV[j] += double(vr[j]) * double(dv[j]);
-                tmp[j] = -rV[j];
-              }
-              part_v.store(part_v.offset(bidx, t, h), V, tmp);
+              const std::int64_t off = bp.dgv.offset(bidx, t, h);
+              for (std::int64_t j = 0; j < V; ++j) d::store_fed(dgv_out, bp.dgv.type, off + j, double(vr[j]) * double(dv[j]), cV[j]);
             }
-            rS[0] += sk;
-            rS[1] += double(L - 1 - i) * sk;
-            if (want_s) {
-              tmp[0] = -rS[0];
-              part_s.store(part_s.offset(bidx, t, h), 1, tmp);
-            }
+            if (want_s) d::store_fed(dg_out, bp.dg.type, bp.dg.offset(bidx, t, h), sk, cS[0]);
           }
+          Acc vdo = 0, qk = 0;
+          for (std::int64_t j = 0; j < V; ++j) vdo += vr[j] * dr[j];
+          for (std::int64_t a = 0; a < K; ++a) qk += qr[a] * kr[a];
           Acc* gk = dkg + (hl / gkh) * C * Kp + l * Kp;
           Acc* gv = dvg + (hl / gvh) * C * Vp + l * Vp;
-          const Acc* dv = dvh + l * Vp;
-          for (std::int64_t a = 0; a < K; ++a) gk[a] += dk[a];
-          for (std::int64_t j = 0; j < V; ++j) gv[j] += dv[j];
+          for (std::int64_t a = 0; a < K; ++a) gk[a] += dk[a] + qr[a] * vdo;
+          for (std::int64_t j = 0; j < V; ++j) gv[j] += dv[j] + dr[j] * qk;
         }
       }
       for (std::int64_t l = 0; l < cl; ++l) {
@@ -606,7 +603,7 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
       }
       if (!want_any) continue;
       double* cs = cst(n, h);
-      const double* rK = run + hl * rs;
+      const double* cK = run + hl * rs;
       double c0 = 0.0;
       for (std::int64_t x = 0; x < K + V; ++x) cs[x] = 0.0;
       if (p.h0.data) {
@@ -619,10 +616,8 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
             c0 += x;
           }
       }
-      for (std::int64_t x = 0; x < K + V; ++x) cs[x] += rK[x];
-      cs[K + V] = c0 + rK[K + V];      // dg constant
-      cs[K + V + 1] = c0;               // sum(dh0 .* h0), for dg_gamma
-      cs[K + V + 2] = rK[K + V + 1];    // sum_j (L-1-j) sum_a k.dk
+      for (std::int64_t x = 0; x < K + V; ++x) cs[x] += cK[x];
+      cs[K + V] = c0 + cK[K + V];
     }
   });
 
@@ -636,9 +631,11 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     const std::int64_t a0 = kb * bk, w = std::min(bk, K - a0), wp = d::round_up(w, W);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
     const std::int64_t bidx = seq.batch, L = seq.len;
+    const std::int64_t nr = want_gamma ? 1 : 0;
     Acc* base = scratch_a.get() + plan.per_a / sizeof(Acc) * std::size_t(worker);
-    Acc* Sall = base;  // [Ga][V][wp]
-    Acc* dos = Sall + Ga * V * bk;
+    Acc* Sall = base;                      // [Ga][V][wp]
+    Acc* Rall = Sall + Ga * V * bk;        // [Ga][V][wp] tangents d S^T / d g_gamma
+    Acc* dos = Rall + nr * Ga * V * bk;
     Acc* vs = dos + C * Vp;
     Acc* drs = vs + C * Vp;
     Acc* ks = drs + C * Vp;
@@ -646,14 +643,15 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     Acc* dcs = qs + C * bk;
     Acc* dqh = dcs + C * bk;
     Acc* dqg = dqh + C * bk;
-    Acc* oh = dqg + C * bk;
+    Acc* rqh = dqg + C * bk;
+    Acc* oh = rqh + nr * C * bk;
     Acc* opart = oh + C * Vp;
     double* run = reinterpret_cast<double*>(opart + C * Vp * W);  // [Ga][w + V + 2]
-    double* tmp = run + Ga * (bk + V + 2);
     const std::int64_t rs = bk + V + 2;
     for (std::int64_t i = 0; i < Ga * rs; ++i) run[i] = 0.0;
     for (std::int64_t hl = 0; hl < Ga; ++hl)
       d::load_state<Acc>(p, p.h0, n, hb + hl, true, V, a0, w, Sall + hl * V * wp, wp);
+    std::fill_n(Rall, nr * Ga * V * bk, Acc(0));
 
     for (std::int64_t i0 = 0; i0 < L; i0 += C) {
       const std::int64_t cl = std::min(C, L - i0);
@@ -702,66 +700,88 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
             d::prefetch(qd + p.q.offset(bidx, t, h / gq) + a0, w, sizeof(T));
             if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), w, dtype_size(p.gk.type));
             if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
-            if (want_k)
-              d::prefetch(static_cast<const char*>(part_k.data) + (part_k.offset(bidx, t, h) + a0) * dtype_size(part_k.type), w,
-                          dtype_size(part_k.type));
+            if (want_k) d::prefetch(gate_row(bp.dgk, bp.dgk.offset(bidx, t, h) + a0), w, dtype_size(bp.dgk.type));
           }
         std::fill_n(dqh, cl * wp, Acc(0));
+        if (want_gamma) std::fill_n(rqh, cl * wp, Acc(0));
         Acc* S = Sall + hl * V * wp;
-        auto sweep = [&](auto need_o) {
-          constexpr bool NO = decltype(need_o)::value;
-          d::for_each_tile<Acc, TR, TV>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
-            d::state_tile<Acc, a_row, a_col, NO, decltype(r)::value, decltype(nvr)::value>(
-                cl, dos + b, vs + b, drs + b, Vp, ks + j0, qs + j0, dcs + j0, wp, S + b * wp + j0, wp, dqh + j0,
-                opart + b * W, j0 == 0);
+        Acc* Rt = Rall + nr * hl * V * wp;
+        auto sweep = [&](auto need_o, auto need_r) {
+          constexpr bool NO = decltype(need_o)::value, NR = decltype(need_r)::value;
+          // The tangent doubles the state registers: half as many columns per tile then.
+          constexpr int NVt = NR && TV > 1 ? TV / 2 : TV;
+          d::for_each_tile<Acc, TR, NVt>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
+            d::state_tile<Acc, a_row, a_col, NO, NR, decltype(r)::value, decltype(nvr)::value>(
+                cl, dos + b, vs + b, drs + b, Vp, ks + j0, qs + j0, dcs + j0, wp, S + b * wp + j0, Rt + b * wp + j0, wp,
+                dqh + j0, rqh + j0, opart + b * W, j0 == 0);
           });
           if constexpr (NO) d::reduce_lanes(cl, Vp, opart, oh, Vp);
         };
-        if (plan.need_o) sweep(std::true_type{});
-        else sweep(std::false_type{});
+        auto sweep_o = [&](auto need_r) {
+          if (plan.need_o) sweep(std::true_type{}, need_r);
+          else sweep(std::false_type{}, need_r);
+        };
+        if constexpr (Policy::has_g_gamma) {
+          if (want_gamma) sweep_o(std::true_type{});
+          else sweep_o(std::false_type{});
+        } else {
+          sweep_o(std::false_type{});
+        }
 
-        // Per-head gate bookkeeping (prefix sums), final gate gradients, group sum of dq.
+        // Per token: the final gate gradients (sweep B's stored terms, read before they are
+        // overwritten, minus this sweep's, summed over the tokens before), the tangent's
+        // share of dg_gamma, and dq with the token's own term, summed over the group.
         double* pK = run + hl * rs;
         double* pV = pK + bk;
-        double* pS = pV + V;  // [0] sum_{j<i} sum_a q.dq, [1] sum_j (L-1-j) sum_a q.dq
+        double* pS = pV + V;  // [0] running sum for dg, [1] dg_gamma
+        const double* cs = cst(n, h);
         for (std::int64_t l = 0; l < cl; ++l) {
-          const std::int64_t i = i0 + l, t = seq.template token<Policy::reverse>(i);
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
           const Acc* qr = qs + l * wp;
+          const Acc* kr = ks + l * wp;
+          const Acc* vr = vs + l * Vp;
+          const Acc* dr = dos + l * Vp;
           const Acc* dq = dqh + l * wp;
           if (want_any) {
-            const double* cs = cst(n, h);
             double sq = 0.0;
-            if (want_scalar)
-              for (std::int64_t a = 0; a < w; ++a) sq += double(qr[a]) * double(dq[a]);
             if (want_k) {
-              const std::int64_t off = part_k.offset(bidx, t, h) + a0;
-              part_k.load(off, w, tmp);
+              const std::int64_t off = bp.dgk.offset(bidx, t, h) + a0;
               for (std::int64_t a = 0; a < w; ++a) {
-                tmp[a] += cs[a0 + a] - pK[a];
-                pK[a] += double(qr[a]) * double(dq[a]);
+                const double x = double(qr[a]) * double(dq[a]);
+                sq += x;
+                const double fed = load_as<double>(dgk_out, bp.dgk.type, off + a);
+                store_as(dgk_out, bp.dgk.type, off + a, cs[a0 + a] + pK[a]);
+                pK[a] += fed - x;
               }
-              d::store_row_as(backward_problem::data(bp.dgk), bp.dgk.type, bp.dgk.offset(bidx, t, h) + a0, w, tmp);
+            } else if (want_s) {
+              for (std::int64_t a = 0; a < w; ++a) sq += double(qr[a]) * double(dq[a]);
             }
             if (want_v) {
               const Acc* o = oh + l * Vp;
-              const Acc* dr = dos + l * Vp;
-              part_v.load(part_v.offset(bidx, t, h), V, tmp);
+              const std::int64_t off = bp.dgv.offset(bidx, t, h);
               for (std::int64_t j = 0; j < V; ++j) {
-                tmp[j] += cs[K + j] - pV[j];
-                pV[j] += double(o[j]) * double(dr[j]);
+                const double fed = load_as<double>(dgv_out, bp.dgv.type, off + j);
+                store_as(dgv_out, bp.dgv.type, off + j, cs[K + j] + pV[j]);
+                pV[j] += fed - double(o[j]) * double(dr[j]);
               }
-              d::store_row_as(backward_problem::data(bp.dgv), bp.dgv.type, bp.dgv.offset(bidx, t, h), V, tmp);
             }
             if (want_s) {
-              part_s.load(part_s.offset(bidx, t, h), 1, tmp);
-              tmp[0] += cs[K + V] - pS[0];
-              d::store_row_as(backward_problem::data(bp.dg), bp.dg.type, bp.dg.offset(bidx, t, h), 1, tmp);
+              const std::int64_t off = bp.dg.offset(bidx, t, h);
+              const double fed = load_as<double>(dg_out, bp.dg.type, off);
+              store_as(dg_out, bp.dg.type, off, cs[K + V] + pS[0]);
+              pS[0] += fed - sq;
             }
-            pS[0] += sq;
-            pS[1] += double(L - 1 - i) * sq;
           }
+          if (want_gamma) {
+            const Acc* rq = rqh + l * wp;
+            double x = 0.0;
+            for (std::int64_t a = 0; a < w; ++a) x += double(qr[a]) * double(rq[a]);
+            pS[1] += x;
+          }
+          Acc vdo = 0;
+          for (std::int64_t j = 0; j < V; ++j) vdo += vr[j] * dr[j];
           Acc* g = dqg + l * wp;
-          for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a];
+          for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a] + kr[a] * vdo;
         }
       }
       for (std::int64_t l = 0; l < cl; ++l) {
@@ -771,10 +791,17 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     }
     if (want_gamma)
       for (std::int64_t hl = 0; hl < Ga; ++hl) {
-        double* cs = cst(n, hb + hl);
-        const double* pS = run + hl * rs + bk + V;
-        // dg_gamma = sum_i dg_i = L * sum(dh0 .* h0) + sum_j (L-1-j) sum_a (k.dk - q.dq)
-        cs[K + V + 3] = double(L) * cs[K + V + 1] + cs[K + V + 2] - pS[1];
+        const std::int64_t h = hb + hl;
+        // dg_gamma = sum_i scale q_i^T R_i dO_i + <d final_state, R_{L-1}> (bk = Kp here).
+        double g = run[hl * rs + bk + V + 1];
+        if (bp.d_ht.data) {
+          const Acc* R = Rall + hl * V * wp;
+          const Acc* dht = static_cast<const Acc*>(bp.d_ht.data);
+          for (std::int64_t b = 0; b < V; ++b)
+            for (std::int64_t a = 0; a < w; ++a)
+              g += double(R[b * wp + a]) * double(dht[d::state_offset(p, bp.d_ht, n, h, a0 + a, b)]);
+        }
+        cst(n, h)[K + V + 1] = g;
       }
   });
 
@@ -783,11 +810,11 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     for (std::int64_t h = 0; h < p.H; ++h) {
       if (bp.dg_gamma_summed) {
         double s = 0.0;
-        for (std::int64_t n = 0; n < p.N; ++n) s += cst(n, h)[K + V + 3];
+        for (std::int64_t n = 0; n < p.N; ++n) s += cst(n, h)[K + V + 1];
         store_as(dst, bp.dg_gamma.type, bp.dg_gamma.offset(0, h, 0), s);
       } else {
         for (std::int64_t n = 0; n < p.N; ++n)
-          store_as(dst, bp.dg_gamma.type, bp.dg_gamma.offset(n, h, 0), cst(n, h)[K + V + 3]);
+          store_as(dst, bp.dg_gamma.type, bp.dg_gamma.offset(n, h, 0), cst(n, h)[K + V + 1]);
       }
     }
   }
@@ -804,7 +831,6 @@ inline backward_workspace backward_workspace_of(const backward_problem& bp, cons
     w.threads_b = plan.threads_b;
     w.threads_a = plan.threads_a;
     w.shared = plan.consts;
-    w.token_scratch = plan.token_scratch;
     return w;
   };
   return bp.fwd.type == dtype::float64 ? of(double{}) : of(float{});
