@@ -21,8 +21,8 @@
 #include "recattn.hpp"
 #include "step_problem.hpp"
 
-// The CUDA step is written after the CPU one: until it lands, nvcc builds get the CPU step.
-#if RECATTN_HAS_CUDA && __has_include("cuda/step.cuh")
+// The CUDA step (translation units compiled by nvcc).
+#if RECATTN_HAS_CUDA
 #define RECATTN_STEP_HAS_CUDA 1
 #include "cuda/step.cuh"
 #else
@@ -87,7 +87,7 @@ inline std::string can_implement_step(const tensor_view& q, const tensor_view& k
     const step_problem sp = make_step_problem(q, k, v, state_pool, out, opt);
     const platform pl = detail::resolve_step_platform(opt.platform, sp);
 #if RECATTN_STEP_HAS_CUDA
-    if (pl == platform::cuda) (void)cuda::step_launch_shape(sp);
+    if (pl == platform::cuda) (void)cuda::step_launch_shape(sp, opt.cfg);
 #endif
     (void)pl;
   } catch (const Error& e) {

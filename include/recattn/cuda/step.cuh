@@ -1,0 +1,499 @@
+// The CUDA decode step: a streaming kernel over the state pool (issue 6). Only compiled by nvcc.
+//
+// A step reads and writes every state once and does a few flops per element, so the kernel is
+// built for memory throughput: a block owns one (row, head, column block) of the state; each
+// thread owns N vectors of 16 bytes of it (N = 8 for 4-byte storage, 4 for bfloat16: 32 state
+// elements per thread; 3 blocks of 256 threads per SM, 96 KiB of loads in flight per SM),
+// issues all N loads before anything else (streaming loads, 16 bytes each, consecutive lanes
+// on consecutive addresses), keeps them in registers across the row's tokens and stores them
+// once (streaming stores). While the loads are in
+// flight, the block stages q * scale, k, the row decays exp(g + g_gamma + gk) and the block's
+// v, exp(gv) of a token in shared memory. Arithmetic is in float (double for double inputs);
+// bfloat16 storage is converted on load and rounded once on store.
+//
+//   [K, V] pool: a state row (one key index) is contiguous over V. A row of TPR lanes covers
+//   TPR * VEC value columns; the block holds RP rows at a time and N passes of them
+//   (K <= RP * N). o[b] sums over the key rows: each thread sums its N rows, then the RP row
+//   groups are summed through shared memory.
+//   [V, K] pool: a state row (one value index) is contiguous over K. TPR lanes cover the K
+//   columns in N passes (K <= TPR * VEC * N); the block holds RP value rows. o[b] sums along
+//   the row: each thread sums its columns, then a shuffle over the TPR lanes.
+//
+// The gates are block-uniform runtime flags, not template parameters: an absent decay is a
+// staged factor of 1 (s * 1 is exact), which costs one multiply per element in a kernel that
+// waits on memory, and keeps the variants at dtype x storage x layout (the CPU step, which
+// is not memory-bound per element in the same way, has them as template parameters).
+//
+// Index values: with step_options::check_index_values (the default), make_step_problem copies
+// device-resident state_indices and snapshot_indices to the host (stream-ordered on
+// opt.stream, then a synchronisation) and rejects out-of-range and duplicate values before
+// anything is launched. With it off (an engine's hot path) the kernel still skips a row whose
+// slot is >= P and a snapshot whose slot is >= Ps (nothing is written out of bounds), but
+// duplicate slots race: the caller guarantees they are distinct.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "../cfg.hpp"
+#include "../dtype.hpp"
+#include "../error.hpp"
+#include "../step_problem.hpp"
+#include "common.cuh"
+
+namespace recattn::cuda {
+
+/// The kernel's arguments: plain values, no host-only members.
+struct step_params {
+  const void *q, *k, *v, *g, *g_gamma, *gk, *gv;
+  dtype g_type, gamma_type, gk_type, gv_type;
+  std::int64_t q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2;
+  std::int64_t g_s0, g_s1, g_s2, gamma_s0, gamma_s1;
+  std::int64_t gk_s0, gk_s1, gk_s2, gv_s0, gv_s1, gv_s2;
+  void* out;
+  std::int64_t out_s0, out_s1, out_s2;
+  void* pool;
+  std::int64_t P, pool_s0, pool_s1, pool_s2;
+  const void* indices;  ///< null: row n uses slot n
+  bool index_int64;
+  std::int64_t index_stride;
+  void* snap;  ///< null: no snapshots
+  std::int64_t Ps, snap_s0, snap_s1, snap_s2;
+  const void* snap_indices;
+  bool snap_int64;
+  std::int64_t snap_is0, snap_is1;
+  const void* cu_seqlens;  ///< device memory; null: dense rows of T tokens
+  bool cu_int64;
+  std::int64_t T;
+  int H, gq, gkh, gvh;  ///< H, H / Hq, H / Hk, H / Hv
+  int K, V;
+  int tpr;   ///< lanes per state row (power of 2, <= 32)
+  int nblk;  ///< column blocks ([K, V]) or value-row blocks ([V, K]) per head
+  float scale;
+  double scale_d;
+};
+
+/// Largest block of the step kernel, and the blocks of that size an SM must hold (its
+/// __launch_bounds__: at most 85 registers a thread, which 32 state elements leave room for;
+/// with 64 elements a thread took 158 registers, one block per SM).
+inline constexpr int step_max_threads = 256;
+inline constexpr int step_min_blocks = 3;
+
+namespace detail {
+
+/// Elements of state storage S per 16-byte vector, and vectors per thread (32 elements of
+/// 4-byte or 2-byte storage, 16 of double).
+template <class S> inline constexpr int step_vec = int(16 / sizeof(S));
+template <class S> inline constexpr int step_vectors = sizeof(S) == 2 ? 4 : 8;
+
+template <class Acc, class S>
+__device__ __forceinline__ void load_vec(const S* p, Acc (&x)[step_vec<S>]) {
+  constexpr int VEC = step_vec<S>;
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));  // streamed: read once
+  const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) x[i] = to_acc<Acc>(e[i]);
+}
+
+template <class Acc, class S>
+__device__ __forceinline__ void store_vec(S* p, const Acc (&x)[step_vec<S>]) {
+  constexpr int VEC = step_vec<S>;
+  uint4 raw;
+  S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) e[i] = from_acc<S>(x[i]);
+  __stcs(reinterpret_cast<uint4*>(p), raw);  // streamed: not read again by this step
+}
+
+__device__ __forceinline__ std::int64_t load_index(const void* p, bool is64, std::int64_t i) {
+  return is64 ? static_cast<const std::int64_t*>(p)[i] : std::int64_t(static_cast<const std::int32_t*>(p)[i]);
+}
+
+/// One step for one (row, head, block). T: input dtype; S: state storage; VK: [V, K] pool.
+template <class T, class S, bool VK>
+__global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel(const step_params p) {
+  using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
+  constexpr int VEC = step_vec<S>;
+  constexpr int N = step_vectors<S>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* sm = reinterpret_cast<Acc*>(smem_raw);
+
+  const int tpr = p.tpr, nthreads = int(blockDim.x), rp = nthreads / tpr;
+  const int tid = int(threadIdx.x);
+  const int lane_r = tid & (tpr - 1), rg = tid / tpr;
+  const std::int64_t blk = blockIdx.x % p.nblk;
+  const int h = int((blockIdx.x / p.nblk) % p.H);
+  const std::int64_t n = std::int64_t(blockIdx.x) / (std::int64_t(p.nblk) * p.H);
+  const std::int64_t slot = p.indices ? load_index(p.indices, p.index_int64, n * p.index_stride) : n;
+  if (slot < 0 || slot >= p.P) return;  // padding row (or, unchecked, out of range: skipped)
+  std::int64_t t0 = 0, len = p.T, bidx = n;
+  if (p.cu_seqlens) {
+    t0 = load_index(p.cu_seqlens, p.cu_int64, n);
+    len = load_index(p.cu_seqlens, p.cu_int64, n + 1) - t0;
+    bidx = 0;
+  }
+  if (len <= 0) return;
+
+  // The thread's part of the state, in the pool's own layout:
+  //   [K, V]: rows a = i * rp + rg (i < N), columns c0 + lane_r * VEC + e (value index)
+  //   [V, K]: row b = r0 + rg, columns (i * tpr + lane_r) * VEC + e (key index)
+  // Row lengths are multiples of VEC (checked by step_launch_shape): a vector is whole.
+  const int cw = tpr * VEC;  // [K, V]: columns of the block
+  const std::int64_t c0 = VK ? 0 : blk * cw;
+  const std::int64_t r0 = VK ? blk * rp : 0;
+  // Vector i of the thread starts at (row_of(i), col_of(i)); the first nv of them lie inside
+  // the state (one base and one count rather than N addresses and N predicates: with those,
+  // the kernel took twice the registers).
+  const int row0 = VK ? int(r0) + rg : rg;                        // state row of vector 0
+  const int col0 = VK ? lane_r * VEC : int(c0) + lane_r * VEC;    // state column of vector 0
+  const int rows_total = VK ? p.V : p.K, cols_total = VK ? p.K : p.V;
+  int nv = 0;
+  if (row0 < rows_total && col0 < cols_total)
+    nv = VK ? min(N, (cols_total - col0 + cw - 1) / cw) : min(N, (rows_total - row0 + rp - 1) / rp);
+  auto row_of = [&](int i) { return VK ? row0 : row0 + i * rp; };
+  auto col_of = [&](int i) { return VK ? col0 + i * cw : col0; };
+  auto offset = [&](std::int64_t s2, int i) { return std::int64_t(row_of(i)) * s2 + col_of(i); };
+
+  S* pool = static_cast<S*>(p.pool) + slot * p.pool_s0 + std::int64_t(h) * p.pool_s1;
+  Acc s[N][VEC];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i < nv) {
+      load_vec(pool + offset(p.pool_s2, i), s[i]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s[i][e] = Acc(0);
+    }
+  }
+
+  // Shared memory: q * scale, k, row decay [K]; the block's v and column decay [vw]
+  // (vw = cw value columns for [K, V], rp value rows for [V, K], from v0); [K, V]: the
+  // partial outputs [rp][cw].
+  const int vw = VK ? rp : cw;
+  const std::int64_t v0 = VK ? r0 : c0;
+  Acc* qs = sm;
+  Acc* ks = qs + p.K;
+  Acc* dks = ks + p.K;
+  Acc* vs = dks + p.K;
+  Acc* dvs = vs + vw;
+  Acc* red = dvs + vw;
+  const int hq = h / p.gq, hk = h / p.gkh, hv = h / p.gvh;
+  const Acc scale = std::is_same<Acc, double>::value ? Acc(p.scale_d) : Acc(p.scale);
+  Acc gamma = Acc(0);
+  if (p.g_gamma) gamma = load_any<Acc>(p.g_gamma, p.gamma_type, n * p.gamma_s0 + h * p.gamma_s1);
+  const bool decay_k = p.g || p.g_gamma || p.gk, decay_v = p.gv != nullptr;
+
+  for (std::int64_t l = 0; l < len; ++l) {
+    const std::int64_t t = t0 + l;
+    __syncthreads();  // the previous token's staging and partial sums are consumed
+    {
+      const T* qr = static_cast<const T*>(p.q) + bidx * p.q_s0 + t * p.q_s1 + hq * p.q_s2;
+      const T* kr = static_cast<const T*>(p.k) + bidx * p.k_s0 + t * p.k_s1 + hk * p.k_s2;
+      const T* vr = static_cast<const T*>(p.v) + bidx * p.v_s0 + t * p.v_s1 + hv * p.v_s2;
+      Acc base = gamma;
+      if (p.g) base += load_any<Acc>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + h * p.g_s2);
+      const Acc dk_scalar = decay_k && !p.gk ? exp_acc(base) : Acc(1);
+      for (int a = tid; a < p.K; a += nthreads) {
+        qs[a] = scale * to_acc<Acc>(qr[a]);
+        ks[a] = to_acc<Acc>(kr[a]);
+        dks[a] = p.gk ? exp_acc(base + load_any<Acc>(p.gk, p.gk_type, bidx * p.gk_s0 + t * p.gk_s1 + h * p.gk_s2 + a))
+                      : dk_scalar;
+      }
+      for (int j = tid; j < vw; j += nthreads) {
+        const std::int64_t b = v0 + j;
+        const bool in = b < p.V;
+        vs[j] = in ? to_acc<Acc>(vr[b]) : Acc(0);
+        dvs[j] = in && decay_v ? exp_acc(load_any<Acc>(p.gv, p.gv_type, bidx * p.gv_s0 + t * p.gv_s1 + h * p.gv_s2 + b))
+                               : Acc(1);
+      }
+    }
+    __syncthreads();
+
+    T* out = static_cast<T*>(p.out) + bidx * p.out_s0 + t * p.out_s1 + std::int64_t(h) * p.out_s2;
+    if constexpr (!VK) {
+      // The thread's VEC columns are the same in every pass: v and exp(gv) in registers.
+      const int cl = lane_r * VEC;
+      Acc vr[VEC], dvr[VEC], o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        vr[e] = vs[cl + e];
+        dvr[e] = dvs[cl + e];
+        o[e] = Acc(0);
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (i >= nv) continue;
+        const int a = row_of(i);
+        const Acc qa = qs[a], ka = ks[a], da = dks[a];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          s[i][e] = fma(s[i][e], da * dvr[e], ka * vr[e]);
+          o[e] = fma(qa, s[i][e], o[e]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) red[rg * cw + cl + e] = o[e];
+      __syncthreads();
+      for (int c = tid; c < cw; c += nthreads) {
+        const std::int64_t b = c0 + c;
+        if (b >= p.V) continue;
+        Acc x = Acc(0);
+        for (int g = 0; g < rp; ++g) x += red[g * cw + c];
+        out[b] = from_acc<T>(x);
+      }
+    } else {
+      const Acc vb = vs[rg], db = dvs[rg];
+      Acc o = Acc(0);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (i >= nv) continue;
+        const int c = col_of(i);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          s[i][e] = fma(s[i][e], dks[c + e] * db, ks[c + e] * vb);
+          o = fma(qs[c + e], s[i][e], o);
+        }
+      }
+      // The tpr lanes of a row are consecutive lanes of one warp; every lane of the block
+      // is here (rows past V hold zeros).
+      for (int m = tpr / 2; m > 0; m /= 2) o += __shfl_xor_sync(0xffffffffu, o, m, tpr);
+      const std::int64_t b = r0 + rg;
+      if (lane_r == 0 && b < p.V) out[b] = from_acc<T>(o);
+    }
+
+    if (p.snap) {
+      const std::int64_t ss = load_index(p.snap_indices, p.snap_int64, bidx * p.snap_is0 + t * p.snap_is1);
+      if (ss >= 0 && ss < p.Ps) {
+        S* sn = static_cast<S*>(p.snap) + ss * p.snap_s0 + std::int64_t(h) * p.snap_s1;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (i < nv) store_vec(sn + offset(p.snap_s2, i), s[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (i < nv) store_vec(pool + offset(p.pool_s2, i), s[i]);
+}
+
+/// The launch shape of a step: lanes per state row, threads and blocks per head, shared memory.
+struct step_shape {
+  int tpr = 1, threads = 32, nblk = 1;
+  std::size_t smem = 0;
+};
+
+inline int pow2_at_least(std::int64_t x) {
+  int r = 1;
+  while (r < x) r *= 2;
+  return r;
+}
+
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace detail
+
+/// Checks the sizes and alignment the CUDA step needs and returns its launch shape.
+/// `user`: cfg.block_v, when set, is the value columns of a block ([K, V]; a power of 2 times
+/// the 16-byte vector, at most 32 vectors) or the value rows of a block ([V, K]). `sms`: the
+/// device's multiprocessors (0: unknown); a [K, V] step with fewer than two blocks per
+/// multiprocessor splits the value columns further.
+inline detail::step_shape step_launch_shape(const step_problem& sp, const std::optional<cfg>& user = std::nullopt,
+                                            int sms = 0) {
+  using recattn::detail::cat;
+  using recattn::detail::fail;
+  using detail::ceil_div;
+  const problem& p = sp.tok;
+  const int es = int(dtype_size(sp.state_type));
+  const int VEC = 16 / es;
+  const int N = es == 2 ? 4 : 8;  // detail::step_vectors
+  const bool vk = p.layout == state_layout::vk;
+  const std::int64_t cols = vk ? p.K : p.V;
+  auto aligned = [&](const void* data, std::int64_t s0, std::int64_t s1, std::int64_t s2) {
+    return reinterpret_cast<std::uintptr_t>(data) % 16 == 0 && s0 % VEC == 0 && s1 % VEC == 0 && s2 % VEC == 0;
+  };
+  if (cols % VEC || !aligned(sp.pool.data, sp.pool.s0, sp.pool.s1, sp.pool.s2))
+    fail("state_pool", cat("16-byte aligned rows on platform cuda (data aligned to 16 bytes, strides and the last dimension multiples of ",
+                           VEC, " ", dtype_name(sp.state_type), " elements)"),
+         cat("last dimension ", cols, ", strides [", sp.pool.s0, ", ", sp.pool.s1, ", ", sp.pool.s2, "]"));
+  if (sp.snap.data && !aligned(sp.snap.data, sp.snap.s0, sp.snap.s1, sp.snap.s2))
+    fail("snapshots", "16-byte aligned rows on platform cuda (like state_pool)",
+         cat("strides [", sp.snap.s0, ", ", sp.snap.s1, ", ", sp.snap.s2, "]"));
+  const int block_v = user ? user->block_v : 0;
+  if (block_v < 0) fail("cfg.block_v", "a value >= 0 (0: heuristic)", block_v);
+  const int maxt = step_max_threads;
+  detail::step_shape sh;
+  if (!vk) {
+    // K rows over rp row groups x N passes; V columns over tpr lanes (blocks across V).
+    const std::int64_t max_k = std::int64_t(maxt) * N;
+    if (p.K > max_k)
+      fail("query", cat("K <= ", max_k, " on platform cuda with a [K, V] ", dtype_name(sp.state_type),
+                        " pool (", N, " state rows per thread, ", maxt, " threads)"), cat("K = ", p.K));
+    const std::int64_t need = ceil_div(p.K, N);  // row groups
+    if (block_v) {
+      const int t = block_v / VEC;
+      if (block_v % VEC || t > 32 || (t & (t - 1)) || t * need > maxt)
+        fail("cfg.block_v", cat("a power of 2 times ", VEC, " columns, at most ", 32 * VEC, " and at most ",
+                                std::max<std::int64_t>(1, maxt / need) * VEC, " for K = ", p.K, " (0: heuristic)"), block_v);
+      sh.tpr = t;
+    } else {
+      sh.tpr = std::min(32, detail::pow2_at_least(ceil_div(cols, VEC)));
+      while (sh.tpr > 1 && sh.tpr * need > maxt) sh.tpr /= 2;
+      // Small batches: more, narrower column blocks (down to 8 lanes, 128 bytes per row).
+      while (sms > 0 && sh.tpr > 8 && p.N * p.H * ceil_div(p.V, std::int64_t(sh.tpr) * VEC) < 2 * sms) sh.tpr /= 2;
+    }
+    sh.threads = int(std::min<std::int64_t>(maxt, (sh.tpr * need + 31) / 32 * 32));
+    sh.nblk = int(ceil_div(p.V, std::int64_t(sh.tpr) * VEC));
+  } else {
+    // K columns over tpr lanes x N passes; value rows over the block's rp row groups.
+    const std::int64_t max_k = 32 * std::int64_t(VEC) * N;
+    if (p.K > max_k)
+      fail("query", cat("K <= ", max_k, " on platform cuda with a [V, K] ", dtype_name(sp.state_type),
+                        " pool (32 lanes x ", N * VEC, " keys per state row)"), cat("K = ", p.K));
+    sh.tpr = detail::pow2_at_least(ceil_div(p.K, std::int64_t(VEC) * N));
+    std::int64_t rows = std::min<std::int64_t>(maxt / sh.tpr, p.V);
+    if (block_v) {
+      if (block_v * std::int64_t(sh.tpr) > maxt)
+        fail("cfg.block_v", cat("at most ", maxt / sh.tpr, " value rows per block for K = ", p.K, " with a [V, K] pool (0: heuristic)"),
+             block_v);
+      rows = block_v;
+    }
+    sh.threads = int(std::min<std::int64_t>(maxt, (sh.tpr * rows + 31) / 32 * 32));
+    sh.nblk = int(ceil_div(p.V, sh.threads / sh.tpr));
+  }
+  const std::size_t acc = p.type == dtype::float64 ? 8 : 4;
+  const int rp = sh.threads / sh.tpr;
+  const int vw = vk ? rp : sh.tpr * VEC;
+  sh.smem = acc * std::size_t(3 * p.K + 2 * vw + (vk ? 0 : std::int64_t(rp) * sh.tpr * VEC));
+  if (p.N * p.H * std::int64_t(sh.nblk) > (std::int64_t(1) << 31) - 1)
+    fail("query", "fewer than 2^31 (row, head, block) work items on platform cuda", cat("N = ", p.N, ", H = ", p.H));
+  return sh;
+}
+
+namespace detail {
+
+inline void require_device_step(const char* name, const void* ptr) {
+  if (ptr && !is_device_pointer(ptr)) recattn::detail::fail(name, "device (or managed) memory on platform cuda", "host memory");
+}
+
+inline step_params make_step_params(const step_problem& sp, const step_shape& sh) {
+  const problem& p = sp.tok;
+  step_params f{};
+  f.q = p.q.data, f.k = p.k.data, f.v = p.v.data;
+  f.q_s0 = p.q.s0, f.q_s1 = p.q.s1, f.q_s2 = p.q.s2;
+  f.k_s0 = p.k.s0, f.k_s1 = p.k.s1, f.k_s2 = p.k.s2;
+  f.v_s0 = p.v.s0, f.v_s1 = p.v.s1, f.v_s2 = p.v.s2;
+  f.g = p.has(gate_g) ? p.g.data : nullptr;
+  f.g_type = p.g.type, f.g_s0 = p.g.s0, f.g_s1 = p.g.s1, f.g_s2 = p.g.s2;
+  f.g_gamma = p.has(gate_g_gamma) ? p.g_gamma.data : nullptr;
+  f.gamma_type = p.g_gamma.type, f.gamma_s0 = p.g_gamma.s0, f.gamma_s1 = p.g_gamma.s1;
+  f.gk = p.has(gate_gk) ? p.gk.data : nullptr;
+  f.gk_type = p.gk.type, f.gk_s0 = p.gk.s0, f.gk_s1 = p.gk.s1, f.gk_s2 = p.gk.s2;
+  f.gv = p.has(gate_gv) ? p.gv.data : nullptr;
+  f.gv_type = p.gv.type, f.gv_s0 = p.gv.s0, f.gv_s1 = p.gv.s1, f.gv_s2 = p.gv.s2;
+  f.out = p.out_data();
+  f.out_s0 = p.out.s0, f.out_s1 = p.out.s1, f.out_s2 = p.out.s2;
+  f.pool = sp.pool_data();
+  f.P = sp.P;
+  f.pool_s0 = sp.pool.s0, f.pool_s1 = sp.pool.s1, f.pool_s2 = sp.pool.s2;
+  f.indices = sp.indices;
+  f.index_int64 = sp.index_type == dtype::int64;
+  f.index_stride = sp.index_stride;
+  f.snap = sp.snap_data();
+  f.Ps = sp.Ps;
+  f.snap_s0 = sp.snap.s0, f.snap_s1 = sp.snap.s1, f.snap_s2 = sp.snap.s2;
+  f.snap_indices = sp.snap_indices;
+  f.snap_int64 = sp.snap_index_type == dtype::int64;
+  f.snap_is0 = sp.snap_s0, f.snap_is1 = sp.snap_s1;
+  f.cu_seqlens = p.varlen ? p.cu_seqlens : nullptr;
+  f.cu_int64 = p.cu_type == dtype::int64;
+  f.T = p.T;
+  f.H = int(p.H), f.gq = int(p.H / p.Hq), f.gkh = int(p.H / p.Hk), f.gvh = int(p.H / p.Hv);
+  f.K = int(p.K), f.V = int(p.V);
+  f.tpr = sh.tpr;
+  f.nblk = sh.nblk;
+  f.scale = float(p.scale);
+  f.scale_d = p.scale;
+  return f;
+}
+
+/// Launches the kernel of one (input dtype, storage, layout).
+template <class T, class S, bool VK>
+void launch_step(const step_params& f, const step_shape& sh, std::int64_t blocks, cudaStream_t stream) {
+  auto kernel = step_kernel<T, S, VK>;
+  if (sh.smem > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sh.smem)),
+          "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  kernel<<<unsigned(blocks), unsigned(sh.threads), sh.smem, stream>>>(f);
+  check(cudaGetLastError(), "step kernel launch");
+}
+
+/// The step's own dispatch: input dtype x state storage x layout (the gates and varlen are
+/// runtime values of the kernel), with the caps of dispatch.hpp and step_problem.hpp.
+inline void dispatch_cuda_step(const step_problem& sp, const step_shape& sh, cudaStream_t stream) {
+  const problem& p = sp.tok;
+  if (RECATTN_DISABLE_VARLEN && p.varlen)
+    throw Error("cu_seqlens (RECATTN_DISABLE_VARLEN): this build was compiled without it");
+  if (RECATTN_DISABLE_VK_STATE && p.layout == state_layout::vk)
+    throw Error("state_layout vk (RECATTN_DISABLE_VK_STATE): this build was compiled without it");
+  const step_params f = make_step_params(sp, sh);
+  const std::int64_t blocks = p.N * p.H * sh.nblk;
+  if (blocks == 0) return;
+  recattn::detail::dtype_switch(p.type, [&](auto tag) {
+    using T = decltype(tag);
+    using Acc = accum_t<T>;
+    RECATTN_BOOL_SWITCH_CAPPED(sp.state_type == dtype::bfloat16,
+                               (RECATTN_DISABLE_BF16_STATE || std::is_same<T, double>::value),
+                               "state_pool dtype bfloat16 (RECATTN_DISABLE_BF16_STATE)", Bf16, [&] {
+      using S = std::conditional_t<Bf16, bfloat16, Acc>;
+      RECATTN_BOOL_SWITCH_CAPPED(p.layout == state_layout::vk, RECATTN_DISABLE_VK_STATE,
+                                 "state_layout vk (RECATTN_DISABLE_VK_STATE)", VK, [&] {
+        launch_step<T, S, VK>(f, sh, blocks, stream);
+      });
+    });
+  });
+}
+
+}  // namespace detail
+
+/// Runs a checked step on the GPU: token tensors, output, pool, snapshots and indices in
+/// device (or managed) memory; cu_seqlens may be host memory (then copied to a stream-ordered
+/// allocation, freed after the launch: the one case that allocates). Asynchronous on opt.stream.
+inline void run_step(const step_problem& sp, const step_options& opt) {
+  const problem& p = sp.tok;
+  const detail::step_shape sh = step_launch_shape(sp, opt.cfg, detail::sm_count());
+  detail::require_device_step("query", p.q.data);
+  detail::require_device_step("key", p.k.data);
+  detail::require_device_step("value", p.v.data);
+  detail::require_device_step("output", p.out.data);
+  detail::require_device_step("state_pool", sp.pool.data);
+  if (p.has(gate_g)) detail::require_device_step("g", p.g.data);
+  if (p.has(gate_g_gamma)) detail::require_device_step("g_gamma", p.g_gamma.data);
+  if (p.has(gate_gk)) detail::require_device_step("gk", p.gk.data);
+  if (p.has(gate_gv)) detail::require_device_step("gv", p.gv.data);
+  detail::require_device_step("state_indices", sp.indices);
+  detail::require_device_step("snapshots", sp.snap.data);
+  detail::require_device_step("snapshot_indices", sp.snap_indices);
+  const cudaStream_t stream = static_cast<cudaStream_t>(opt.stream);
+  step_problem dev = sp;
+  void* cu_tmp = nullptr;
+  if (p.varlen && !is_device_pointer(p.cu_seqlens)) {
+    const std::size_t bytes = std::size_t(p.N + 1) * dtype_size(p.cu_type);
+    detail::check(cudaMallocAsync(&cu_tmp, bytes, stream), "cudaMallocAsync(cu_seqlens)");
+    const cudaError_t e = cudaMemcpyAsync(cu_tmp, p.cu_seqlens, bytes, cudaMemcpyHostToDevice, stream);
+    if (e != cudaSuccess) {
+      (void)cudaFreeAsync(cu_tmp, stream);
+      detail::check(e, "cudaMemcpyAsync(cu_seqlens)");
+    }
+    dev.tok.cu_seqlens = cu_tmp;
+  }
+  try {
+    detail::dispatch_cuda_step(dev, sh, stream);
+  } catch (...) {
+    if (cu_tmp) (void)cudaFreeAsync(cu_tmp, stream);
+    throw;
+  }
+  if (cu_tmp) detail::check(cudaFreeAsync(cu_tmp, stream), "cudaFreeAsync(cu_seqlens)");
+}
+
+}  // namespace recattn::cuda
