@@ -127,6 +127,39 @@ TEST_CASE("a multi-token step equals that many single steps; each snapshot is th
         }
 }
 
+TEST_CASE("bfloat16 storage: one token streamed in place equals the scratch-tile path bit for bit", "[step][pool]") {
+  // [K, V] with V a multiple of the SIMD width takes the in-place stream (step_stream_storage);
+  // the transposed [V, K] pool takes the scratch tile: the same operations on the same values,
+  // one rounding on the store, so the same bits. Snapshots of the token too.
+  for (unsigned gates = 0; gates < 16; ++gates) {
+    problem_spec s = pool_spec(gates, state_layout::kv, 16, 32, 1);
+    s.g_gamma_per_sequence = gates & 1u;
+    INFO(s.str());
+    const problem_data d = generate(s);
+    const std::vector<std::int64_t> slots{2, -1, 0, 4};
+    const buffer ix = index_buffer(slots);
+    buffer kv_pool = pool_with(dtype::bfloat16, 5, s, d.initial_state.view(), slots);
+    buffer vk_pool = transpose_last2(kv_pool.view());
+    buffer kv_snaps = make_pool(dtype::bfloat16, 4, s), kv_out = sentinel_buffer(s.type, {s.B, s.H(), s.V});
+    kv_snaps.fill_bytes(sentinel_byte);
+    buffer vk_snaps = transpose_last2(kv_snaps.view()), vk_out = kv_out;
+    const buffer snap_ix = index_buffer({1, 0, -1, 3});
+    step_options base;
+    base.state_indices = ix.view();
+    base.snapshot_indices = snap_ix.view();
+    token_args a = token_of(d, 0, base);
+    a.opt.snapshots = kv_snaps.mutable_view();
+    step(a.q, a.k, a.v, kv_pool.mutable_view(), kv_out.mutable_view(), a.opt);
+    a.opt.state_layout = state_layout::vk;
+    a.opt.snapshots = vk_snaps.mutable_view();
+    step(a.q, a.k, a.v, vk_pool.mutable_view(), vk_out.mutable_view(), a.opt);
+    CHECK(bitwise_equal(kv_out.view(), vk_out.view()));
+    CHECK(bitwise_equal(kv_pool.view(), transpose_last2(vk_pool.view()).view()));
+    CHECK(bitwise_equal(kv_snaps.view(), transpose_last2(vk_snaps.view()).view()));
+    CHECK(!bitwise_equal(kv_pool.view(), pool_with(dtype::bfloat16, 5, s, d.initial_state.view(), slots).view()));
+  }
+}
+
 TEST_CASE("pool indirection with shuffled slots and padding rows equals the dense case", "[step][pool]") {
   for (unsigned gates : {0u, 3u, 12u, 15u})
     for (state_layout layout : {state_layout::kv, state_layout::vk})

@@ -8,7 +8,9 @@
 // storage: converted on load, rounded once on store; [V, K] layout: transposed). One token
 // (decode) streams the rows one at a time with the output of a whole 128-column row in 8
 // registers over all K rows (step_stream: measured 5.9 ms against 10.2 ms for the register
-// tiles on B64 H32 K=V=128, float, gk, 2 threads). A row with several tokens keeps each
+// tiles on B64 H32 K=V=128, float, gk, 2 threads); with bfloat16 storage each row is
+// converted into an L1 buffer and rounded back in the same pass (step_stream_storage), not
+// through a whole-slice scratch tile. A row with several tokens keeps each
 // register tile of the state in registers across a chunk of its tokens, so the state passes
 // through memory once per chunk, not per token.
 //
@@ -224,11 +226,14 @@ inline void step_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* d
 /// One token (the decode case) for NV registers of columns of the slice: the rows stream
 /// through once, one at a time, while the NV output registers stay in registers over all K
 /// rows; the same operations in the same order as step_tile.
-template <class Acc, bool DecayK, bool DecayV, int NV>
+template <class Acc, bool DecayK, bool DecayV, int NV, class Storage = Acc>
 inline void step_stream(std::int64_t K, const Acc* qs, const Acc* ks, const Acc* dks, const Acc* vs, const Acc* dvs,
-                        Acc* S, std::int64_t lds, Acc* os, const snapshot_sink& sk, std::int64_t col0) {
+                        Storage* S, std::int64_t lds, Acc* os, const snapshot_sink& sk, std::int64_t col0) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
+  // Storage other than Acc (bfloat16): a row is converted into an L1 buffer, updated there
+  // and rounded back once, the same operations on the same values as the scratch tile.
+  constexpr bool direct = std::is_same<Storage, Acc>::value;
   B v[NV], dv[NV], acc[NV];
   for (int j = 0; j < NV; ++j) {
     v[j] = B::load_aligned(vs + j * W);
@@ -237,18 +242,27 @@ inline void step_stream(std::int64_t K, const Acc* qs, const Acc* ks, const Acc*
   }
   const bool snap = sk.slots && sk.slots[0] >= 0;
   for (std::int64_t a = 0; a < K; ++a) {
-    Acc* row = S + a * lds;
+    Storage* srow = S + a * lds;
     const B kb(ks[a]);
     const B qb(qs[a]);
     B db(Acc(1));
     if constexpr (DecayK) db = B(dks[a]);
     alignas(64) Acc tile[NV * W];
+    Acc* row;
+    if constexpr (direct) {
+      row = srow;
+    } else {
+      row = tile;
+      for (std::int64_t j = 0; j < NV * W; ++j) tile[j] = convert<Acc>(srow[j]);
+    }
     for (int j = 0; j < NV; ++j) {
       const B x = decayed_update<DecayK, DecayV>(B::load_unaligned(row + j * W), db, dv[j], kb, v[j]);
       acc[j] = xsimd::fma(qb, x, acc[j]);
       x.store_unaligned(row + j * W);
-      if (snap) x.store_aligned(tile + j * W);
+      if (direct && snap) x.store_aligned(tile + j * W);
     }
+    if constexpr (!direct)
+      for (std::int64_t j = 0; j < NV * W; ++j) srow[j] = convert<Storage>(tile[j]);
     if (snap) write_snapshot(sk, 0, a, 1, col0, NV * W, tile, NV * W);
   }
   for (int j = 0; j < NV; ++j) acc[j].store_aligned(os + j * W);
@@ -286,6 +300,21 @@ RECATTN_NOINLINE void step_scan(std::int64_t L, std::int64_t K, const Acc* qs, c
   std::int64_t j0 = 0;
   for (; j0 + NV * W <= ldv; j0 += NV * W) rows(std::integral_constant<int, NV>{}, j0);
   for (; j0 < ldv; j0 += W) rows(std::integral_constant<int, 1>{}, j0);
+}
+
+/// One token over an item's slice of a [K, V] pool in storage other than Acc (bfloat16),
+/// streamed in place (ldv columns, a multiple of the SIMD width; row stride lds).
+template <class Acc, bool DecayK, bool DecayV, class Storage>
+RECATTN_NOINLINE void step_stream_storage(std::int64_t K, const Acc* qs, const Acc* ks, const Acc* dks, const Acc* vs,
+                                          const Acc* dvs, std::int64_t ldv, Storage* S, std::int64_t lds, Acc* os,
+                                          const snapshot_sink& sk) {
+  constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  constexpr int NVS = RECATTN_CPU_STEP_STREAM_REGS;
+  std::int64_t j0 = 0;
+  for (; j0 + NVS * W <= ldv; j0 += NVS * W)
+    step_stream<Acc, DecayK, DecayV, NVS, Storage>(K, qs, ks, dks, vs + j0, dvs + j0, S + j0, lds, os + j0, sk, j0);
+  for (; j0 < ldv; j0 += W)
+    step_stream<Acc, DecayK, DecayV, 1, Storage>(K, qs, ks, dks, vs + j0, dvs + j0, S + j0, lds, os + j0, sk, j0);
 }
 
 /// An item's state slice as the kernel walks it: the pool itself, or a scratch tile.
@@ -400,8 +429,21 @@ void step_kernel(const step_problem& sp, const cfg& c) {
 
     Acc gamma = Acc(0);
     if constexpr (Pol::has_g_gamma) gamma = load_as<Acc>(p.g_gamma.data, p.g_gamma.type, p.g_gamma.offset(it.n, it.h, 0));
-    const detail::state_slice<Acc> S = detail::open_slice<Acc, Storage>(sp, it, tile);
     T* out = static_cast<T*>(p.out_data());
+    if constexpr (!std::is_same<Storage, Acc>::value) {
+      // One token on a [K, V] pool of whole registers: streamed in place, no scratch tile.
+      if (len == 1 && p.layout == state_layout::kv && it.w == it.wp) {
+        tok[0] = begin;
+        if (sk.slots) snap_slots[0] = sp.snapshot_slot(it.batch, tok[0]);
+        detail::stage_step_chunk<T, Gates>(p, it, tok, 1, gamma, sb);
+        Storage* S = static_cast<Storage*>(sp.pool_data()) + sp.pool.offset(it.slot, it.h, 0) + it.b0;
+        detail::step_stream_storage<Acc, Pol::decay_k, Pol::decay_v>(K, sb.qs, sb.ks, sb.dks, sb.vs, sb.dvs, it.wp, S,
+                                                                   sp.pool.s2, sb.os, sk);
+        detail::store_row(sb.os, it.w, out + p.out.offset(it.batch, tok[0], it.h) + it.b0);
+        return;
+      }
+    }
+    const detail::state_slice<Acc> S = detail::open_slice<Acc, Storage>(sp, it, tile);
     for (std::int64_t i0 = 0; i0 < len; i0 += chunk) {
       const std::int64_t cl = std::min(chunk, len - i0);
       for (std::int64_t l = 0; l < cl; ++l) tok[l] = begin + i0 + l;
