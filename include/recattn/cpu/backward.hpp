@@ -305,6 +305,74 @@ inline void store_fed(void* dst, dtype t, std::int64_t off, double x, double& ca
   carry = x - load_as<double>(dst, t, off);
 }
 
+/// Gate-gradient element conversions (float32, float64, bfloat16, half).
+template <class G>
+inline G to_gate(double x) {
+  if constexpr (std::is_same_v<G, double>) return x;
+  else if constexpr (std::is_same_v<G, float>) return float(x);
+  else return G(float(x));
+}
+template <class G>
+inline double from_gate(G g) {
+  if constexpr (std::is_same_v<G, double> || std::is_same_v<G, float>) return double(g);
+  else return double(float(g));
+}
+
+/// Calls f with the gate-gradient row at element off of dst, typed by t (once per row, so
+/// that the per-element loops below have no dtype switch).
+template <class F>
+inline void with_gate_row(void* dst, dtype t, std::int64_t off, F&& f) {
+  switch (t) {
+    case dtype::float64: f(static_cast<double*>(dst) + off); return;
+    case dtype::bfloat16: f(static_cast<bfloat16*>(dst) + off); return;
+    case dtype::float16: f(static_cast<half*>(dst) + off); return;
+    default: f(static_cast<float*>(dst) + off); return;
+  }
+}
+
+/// sum_i x[i] * y[i] in double, in 4 independent chains (a single chain is one add latency
+/// per element, which the per-token bookkeeping of a 128-wide row cannot afford).
+template <class Acc>
+inline double dot_double(const Acc* x, const Acc* y, std::int64_t n) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  std::int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int u = 0; u < 4; ++u) s[u] += double(x[i + u]) * double(y[i + u]);
+  for (; i < n; ++i) s[0] += double(x[i]) * double(y[i]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/// sum_i x[i] * y[i] over rows padded with zeros to a multiple of the SIMD width.
+template <class Acc>
+inline Acc dot_padded(const Acc* x, const Acc* y, std::int64_t n_padded) {
+  using B = xsimd::batch<Acc, arch>;
+  constexpr std::int64_t W = std::int64_t(B::size);
+  B s(Acc(0));
+  for (std::int64_t i = 0; i < n_padded; i += W) s = xsimd::fma(B::load_unaligned(x + i), B::load_unaligned(y + i), s);
+  return xsimd::hadd(s);
+}
+
+/// Sweep B's half of a gate-gradient row: dst[i] = x[i] * y[i] with error feedback (store_fed).
+template <class G, class Acc>
+inline void feed_row(G* dst, const Acc* x, const Acc* y, std::int64_t n, double* carry) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double v = double(x[i]) * double(y[i]) + carry[i];
+    dst[i] = to_gate<G>(v);
+    carry[i] = v - from_gate(dst[i]);
+  }
+}
+
+/// Sweep A's half: reads sweep B's term, writes the final value c[i] + run[i] in its place and
+/// adds the term minus x[i] * y[i] to the running sum.
+template <class G, class Acc>
+inline void drain_row(G* dst, const double* c, double* run, const Acc* x, const Acc* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double fed = from_gate(dst[i]);
+    dst[i] = to_gate<G>(c[i] + run[i]);
+    run[i] += fed - double(x[i]) * double(y[i]);
+  }
+}
+
 /// Loads one (n, h) state slice as M[r][c] (r over rows, c over cols, row stride ldm) from
 /// a state of the problem's layout, transposed when `transposed` (M = S^T). Zero padded
 /// where the buffer is wider.
@@ -496,6 +564,7 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
           d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qs + l * Kp, scale);
           d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, ks + l * Kp);
+          for (std::int64_t a = K; a < Kp; ++a) qs[l * Kp + a] = ks[l * Kp + a] = Acc(0);
           if constexpr (b_row) {
             Acc* dr = drs + l * Kp;
             Acc g0 = gamma;
@@ -554,27 +623,16 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           const Acc* dr = dos + l * Vp;
           const Acc* dk = dkh + l * Kp;
           const Acc* dv = dvh + l * Vp;
-          if (want_any) {
-            double sk = 0.0;
-            if (want_k) {
-              const std::int64_t off = bp.dgk.offset(bidx, t, h);
-              for (std::int64_t a = 0; a < K; ++a) {
-                const double x = double(kr[a]) * double(dk[a]);
-                sk += x;
-                d::store_fed(dgk_out, bp.dgk.type, off + a, x, cK[a]);
-              }
-            } else if (want_s) {
-              for (std::int64_t a = 0; a < K; ++a) sk += double(kr[a]) * double(dk[a]);
-            }
-            if (want_v) {
-              const std::int64_t off = bp.dgv.offset(bidx, t, h);
-              for (std::int64_t j = 0; j < V; ++j) d::store_fed(dgv_out, bp.dgv.type, off + j, double(vr[j]) * double(dv[j]), cV[j]);
-            }
-            if (want_s) d::store_fed(dg_out, bp.dg.type, bp.dg.offset(bidx, t, h), sk, cS[0]);
-          }
-          Acc vdo = 0, qk = 0;
-          for (std::int64_t j = 0; j < V; ++j) vdo += vr[j] * dr[j];
-          for (std::int64_t a = 0; a < K; ++a) qk += qr[a] * kr[a];
+          if constexpr (Policy::has_gk)
+            if (want_k)
+              d::with_gate_row(dgk_out, bp.dgk.type, bp.dgk.offset(bidx, t, h),
+                               [&](auto* row) { d::feed_row(row, kr, dk, K, cK); });
+          if constexpr (Policy::has_gv)
+            if (want_v)
+              d::with_gate_row(dgv_out, bp.dgv.type, bp.dgv.offset(bidx, t, h),
+                               [&](auto* row) { d::feed_row(row, vr, dv, V, cV); });
+          if (want_s) d::store_fed(dg_out, bp.dg.type, bp.dg.offset(bidx, t, h), d::dot_double(kr, dk, K), cS[0]);
+          const Acc vdo = d::dot_padded(vr, dr, Vp), qk = d::dot_padded(qr, kr, Kp);
           Acc* gk = dkg + (hl / gkh) * C * Kp + l * Kp;
           Acc* gv = dvg + (hl / gvh) * C * Vp + l * Vp;
           for (std::int64_t a = 0; a < K; ++a) gk[a] += dk[a] + qr[a] * vdo;
@@ -742,44 +800,22 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           const Acc* vr = vs + l * Vp;
           const Acc* dr = dos + l * Vp;
           const Acc* dq = dqh + l * wp;
-          if (want_any) {
-            double sq = 0.0;
-            if (want_k) {
-              const std::int64_t off = bp.dgk.offset(bidx, t, h) + a0;
-              for (std::int64_t a = 0; a < w; ++a) {
-                const double x = double(qr[a]) * double(dq[a]);
-                sq += x;
-                const double fed = load_as<double>(dgk_out, bp.dgk.type, off + a);
-                store_as(dgk_out, bp.dgk.type, off + a, cs[a0 + a] + pK[a]);
-                pK[a] += fed - x;
-              }
-            } else if (want_s) {
-              for (std::int64_t a = 0; a < w; ++a) sq += double(qr[a]) * double(dq[a]);
-            }
-            if (want_v) {
-              const Acc* o = oh + l * Vp;
-              const std::int64_t off = bp.dgv.offset(bidx, t, h);
-              for (std::int64_t j = 0; j < V; ++j) {
-                const double fed = load_as<double>(dgv_out, bp.dgv.type, off + j);
-                store_as(dgv_out, bp.dgv.type, off + j, cs[K + j] + pV[j]);
-                pV[j] += fed - double(o[j]) * double(dr[j]);
-              }
-            }
-            if (want_s) {
-              const std::int64_t off = bp.dg.offset(bidx, t, h);
-              const double fed = load_as<double>(dg_out, bp.dg.type, off);
-              store_as(dg_out, bp.dg.type, off, cs[K + V] + pS[0]);
-              pS[0] += fed - sq;
-            }
+          if constexpr (Policy::has_gk)
+            if (want_k)
+              d::with_gate_row(dgk_out, bp.dgk.type, bp.dgk.offset(bidx, t, h) + a0,
+                               [&](auto* row) { d::drain_row(row, cs + a0, pK, qr, dq, w); });
+          if constexpr (Policy::has_gv)
+            if (want_v)
+              d::with_gate_row(dgv_out, bp.dgv.type, bp.dgv.offset(bidx, t, h),
+                               [&](auto* row) { d::drain_row(row, cs + K, pV, oh + l * Vp, dr, V); });
+          if (want_s) {
+            const std::int64_t off = bp.dg.offset(bidx, t, h);
+            const double fed = load_as<double>(dg_out, bp.dg.type, off);
+            store_as(dg_out, bp.dg.type, off, cs[K + V] + pS[0]);
+            pS[0] += fed - d::dot_double(qr, dq, w);
           }
-          if (want_gamma) {
-            const Acc* rq = rqh + l * wp;
-            double x = 0.0;
-            for (std::int64_t a = 0; a < w; ++a) x += double(qr[a]) * double(rq[a]);
-            pS[1] += x;
-          }
-          Acc vdo = 0;
-          for (std::int64_t j = 0; j < V; ++j) vdo += vr[j] * dr[j];
+          if (want_gamma) pS[1] += d::dot_double(qr, rqh + l * wp, w);
+          const Acc vdo = d::dot_padded(vr, dr, Vp);
           Acc* g = dqg + l * wp;
           for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a] + kr[a] * vdo;
         }
