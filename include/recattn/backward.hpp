@@ -128,8 +128,8 @@ inline std::string can_implement_backward(const tensor_view& q, const tensor_vie
   return {};
 }
 
-/// The scratch memory (bytes) the CPU backward takes for a call: per worker, shared, and the
-/// per-token float partials that only 16-bit gate gradients need.
+/// The scratch memory (bytes) the CPU backward takes for a call: per worker and shared, for
+/// every dtype independent of T.
 inline cpu::backward_workspace backward_workspace_bytes(const tensor_view& q, const tensor_view& k,
                                                         const tensor_view& v, const forward_options& opt,
                                                         const output_grads& grads, const backward_outputs& outs) {
