@@ -90,7 +90,9 @@ struct backward_call {
     // gradient is an error of its own).
     for (const buffer* b : {&d.q, &d.k, &d.v, &d.g, &d.g_gamma, &d.gk, &d.gv, &d.initial_state})
       grads.push_back(b->present() ? sentinel_buffer(b->type(), b->shape()) : buffer());
-    outs = backward_outputs{grads[0].mutable_view(), grads[1].mutable_view(), grads[2].mutable_view()};
+    outs.dq = grads[0].mutable_view();
+    outs.dk = grads[1].mutable_view();
+    outs.dv = grads[2].mutable_view();
     std::optional<mutable_tensor_view>* opt[] = {&outs.dg, &outs.dg_gamma, &outs.dgk, &outs.dgv, &outs.d_initial_state};
     for (std::size_t i = 3; i < grads.size(); ++i)
       if (grads[i].present()) *opt[i - 3] = grads[i].mutable_view();
@@ -567,4 +569,30 @@ TEST_CASE("checks: a step that needs a variant this build cut names the macro", 
     CHECK_THAT(c.run(), Contains("RECATTN_GATE_MASK_ONLY") && Contains("compiled"));
     CHECK(c.all_untouched());
   }
+}
+
+TEST_CASE("checks: a CPU cfg.chunk above the bound (forward and backward)", "[checks][cfg]") {
+  cfg big;
+  big.chunk = cpu::cpu_max_chunk + 1;
+  const std::string got = std::to_string(cpu::cpu_max_chunk + 1);
+  {
+    forward_call f(spec());
+    f.o.cfg = big;
+    check_message(f.run(), "cfg.chunk", "a value <= " + std::to_string(cpu::cpu_max_chunk), got);
+    CHECK(untouched(f.out));
+    CHECK(untouched(f.state));
+  }
+  {
+    backward_call b(spec());
+    b.o.cfg = big;
+    check_message(b.run(), "cfg.chunk", "a value <= " + std::to_string(cpu::cpu_max_chunk), got);
+    CHECK(b.untouched_all());
+  }
+  // The bound itself is accepted and computed.
+  forward_call f(spec());
+  cfg at_bound;
+  at_bound.chunk = cpu::cpu_max_chunk;
+  f.o.cfg = at_bound;
+  REQUIRE(f.run().empty());
+  CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
 }

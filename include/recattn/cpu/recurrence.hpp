@@ -268,6 +268,9 @@ inline cfg cpu_heuristic_cfg(const problem& p) {
   return c;
 }
 
+/// The largest cfg.chunk the CPU forward and backward take.
+inline constexpr int cpu_max_chunk = 4096;
+
 /// Fills zero fields of `c` from the heuristic and checks the rest.
 inline cfg cpu_resolve_cfg(const problem& p, const std::optional<cfg>& user) {
   cfg h = cpu_heuristic_cfg(p);
@@ -276,6 +279,10 @@ inline cfg cpu_resolve_cfg(const problem& p, const std::optional<cfg>& user) {
   if (c.threads < 0) recattn::detail::fail("cfg.threads", "a value >= 0 (0: all hardware threads)", c.threads);
   if (c.block_v < 0) recattn::detail::fail("cfg.block_v", "a value >= 0 (0: heuristic)", c.block_v);
   if (c.chunk < 0) recattn::detail::fail("cfg.chunk", "a value >= 0 (0: heuristic)", c.chunk);
+  // Scratch grows with chunk (about 8 (K + V) floats per staged token and thread): without a
+  // bound a large value is a std::bad_alloc, not a recattn::Error.
+  if (c.chunk > cpu_max_chunk)
+    recattn::detail::fail("cfg.chunk", recattn::detail::cat("a value <= ", cpu_max_chunk, " (tokens staged at once)"), c.chunk);
   if (c.threads == 0) c.threads = h.threads;
   if (c.block_v == 0) c.block_v = h.block_v;
   if (c.chunk == 0) c.chunk = h.chunk;
