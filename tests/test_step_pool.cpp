@@ -21,13 +21,26 @@ namespace {
 std::atomic<long> allocations{0};
 std::atomic<bool> counting{false};
 }  // namespace
+// Every form that the replaced operator delete may free is replaced too: a runtime with its
+// own nothrow or array forms (AddressSanitizer's, unlike libstdc++'s, do not call operator
+// new) would otherwise pair its allocation with this free (Catch allocates with nothrow new).
 void* operator new(std::size_t n) {
   if (counting) ++allocations;
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
+void* operator new[](std::size_t n) { return operator new(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  if (counting) ++allocations;
+  return std::malloc(n ? n : 1);
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 
