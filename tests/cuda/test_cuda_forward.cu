@@ -310,3 +310,58 @@ TEST_CASE("cuda forward: bad input is rejected before anything is written", "[cu
         "cfg.block_v");
   }
 }
+
+// Issue 7, item 6: a launch the device refuses surfaces as recattn::Error naming the CUDA
+// call and error, writes nothing, and leaves the context usable for the next call. The public
+// call checks cfg first (resolve_cfg); the implementation reached through get_impl takes a
+// cfg as given, so a chunk whose shared memory exceeds the device's limit reaches the launch.
+TEST_CASE("cuda forward: a refused launch is a recattn::Error and the context stays usable", "[cuda]") {
+  spec s;
+  s.type = dtype::bfloat16;
+  s.gate_type = dtype::bfloat16;
+  s.gates = recattn::gate_gk;
+  s.B = 1;
+  s.T = 70;
+  s.Hq = s.Hk = s.Hv = 1;
+  s.K = 256;
+  s.V = 64;
+  s.initial_state = true;
+  instance in(s);
+  in.out.fill_bytes(0x5a);
+  in.ht.fill_bytes(0x5a);
+  const recattn::forward_options o = in.options(true);
+  const recattn::forward_outputs outs{in.out.dev_mview(), in.ht.dev_mview()};
+  const recattn::problem p = recattn::make_problem(in.q.dev_view(), in.k.dev_view(), in.v.dev_view(), o, &outs);
+  recattn::cfg c;
+  c.num_warps = 8;
+  c.block_v = 64;
+  c.block_k = 256;
+  c.chunk = 64;  // 64 tokens of K = 256 with gk: about 430 KiB of shared memory
+  REQUIRE(recattn::cuda::detail::layout_for(p, 8, 64).bytes > recattn::cuda::detail::smem_budget());
+  CHECK_THROWS_WITH(recattn::cuda::resolve_cfg(p, c), Catch::Contains("cfg.chunk"));
+
+  const recattn::forward_impl impl = recattn::RecurrentAttention().get_impl(recattn::platform::cuda);
+  bool thrown = false;
+  try {
+    impl.run(p, c, o);
+  } catch (const recattn::Error& e) {
+    thrown = true;
+    INFO(e.what());
+    CHECK(std::string(e.what()).find("cuda: cudaFuncSetAttribute") != std::string::npos);
+  }
+  CHECK(thrown);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaGetLastError() == cudaSuccess);
+  in.out.download();
+  in.ht.download();
+  bool untouched = true;
+  for (unsigned char b : in.out.host) untouched = untouched && b == 0x5a;
+  for (unsigned char b : in.ht.host) untouched = untouched && b == 0x5a;
+  CHECK(untouched);
+
+  // The same context, the same buffers, the heuristic cfg: the right answer.
+  const errors e = in.check();
+  CHECK(e.output_written);
+  CHECK(e.output < tolerance(s.type));
+  CHECK(e.state < tolerance(s.type));
+}
