@@ -1,5 +1,6 @@
-// Shared by the step tests: zero-copy views of one token or a window of tokens of a
-// generated problem, state pools, and comparisons of pool slots with forward states.
+// Shared by the step tests: the step arguments of one token or a window of tokens of a
+// generated problem (zero-copy views, support/views.hpp), state pools, and comparisons of pool
+// slots with forward states.
 #pragma once
 
 #include <algorithm>
@@ -11,33 +12,9 @@
 #include <recattn/recattn.hpp>
 
 #include "support/forward.hpp"
+#include "support/views.hpp"
 
 namespace recattn::testing {
-
-/// The view `x` with dimension `dim` fixed at `index` (rank - 1).
-template <class View>
-View drop_dim(const View& x, int dim, std::int64_t index) {
-  std::vector<std::int64_t> shape, strides;
-  for (int i = 0; i < x.rank(); ++i)
-    if (i != dim) {
-      shape.push_back(x.size(i));
-      strides.push_back(x.stride(i));
-    }
-  auto* base = static_cast<const char*>(static_cast<const tensor_view&>(x).data()) +
-               index * x.stride(dim) * std::int64_t(dtype_size(x.type()));
-  return View(const_cast<char*>(base), x.type(), shape, strides);
-}
-
-/// The view `x` with dimension `dim` cut to [begin, begin + length).
-template <class View>
-View window(const View& x, int dim, std::int64_t begin, std::int64_t length) {
-  std::vector<std::int64_t> shape(x.shape().begin(), x.shape().begin() + x.rank());
-  std::vector<std::int64_t> strides(x.strides().begin(), x.strides().begin() + x.rank());
-  shape[std::size_t(dim)] = length;
-  auto* base = static_cast<const char*>(static_cast<const tensor_view&>(x).data()) +
-               begin * x.stride(dim) * std::int64_t(dtype_size(x.type()));
-  return View(const_cast<char*>(base), x.type(), shape, strides);
-}
 
 /// The step arguments of token t of a dense generated problem: q, k, v, gates of that token.
 struct token_args {
@@ -105,13 +82,6 @@ inline void put_state(buffer& pool, std::int64_t slot, const tensor_view& states
 
 /// Slot `slot` of a pool as a [H, r, c] view.
 inline tensor_view slot_view(const buffer& pool, std::int64_t slot) { return drop_dim(pool.view(), 0, slot); }
-
-/// A [rows] index buffer of dtype t holding `values`.
-inline buffer index_buffer(const std::vector<std::int64_t>& values, dtype t = dtype::int64) {
-  buffer b(t, {std::int64_t(values.size())});
-  b.fill([&](const idx& i) { return double(values[std::size_t(i[0])]); });
-  return b;
-}
 
 /// Runs the prefill + token-by-token steps and checks them against forward and the reference.
 /// `state_type`: the pool's storage (bfloat16: one rounding per step, looser bounds).

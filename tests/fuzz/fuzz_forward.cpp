@@ -35,6 +35,7 @@
 #include <recattn/recattn.hpp>
 
 #include "support/generators.hpp"
+#include "support/views.hpp"
 
 using namespace recattn;
 using namespace recattn::testing;
@@ -138,20 +139,6 @@ bool all_finite(const tensor_view& t) {
   bool ok = true;
   for_each_index(t.shape_vec(), [&](const idx& i) { ok = ok && std::isfinite(element(t, i)); });
   return ok;
-}
-
-/// The view `x` with dimension `dim` fixed at `index` (rank - 1): a single-token step tensor.
-template <class View>
-View drop_dim(const View& x, int dim, std::int64_t index) {
-  std::vector<std::int64_t> shape, strides;
-  for (int i = 0; i < x.rank(); ++i)
-    if (i != dim) {
-      shape.push_back(x.size(i));
-      strides.push_back(x.stride(i));
-    }
-  auto* base = static_cast<const char*>(static_cast<const tensor_view&>(x).data()) +
-               index * x.stride(dim) * std::int64_t(dtype_size(x.type()));
-  return View(const_cast<char*>(base), x.type(), shape, strides);
 }
 
 /// Whether the bytes of element i of b equal those of `before` (b's storage before a call).
@@ -466,14 +453,13 @@ int run_one(const std::uint8_t* data, std::size_t size) {
       break;
     }
     case bad_null: {
-      auto null_of = [](const tensor_view& x) { return tensor_view(nullptr, x.type(), x.shape_vec(), strides_of(x)); };
       const int t = which % 9;
       if (t < 3) {
         tensor_view& x = t == 0 ? q : t == 1 ? k : v;
-        if (x.numel() > 0) { x = null_of(x); applied = true; }
+        if (x.numel() > 0) { x = null_data(x); applied = true; }
       } else if (t < 8) {
         std::optional<tensor_view>& g = *gates_opt[t - 3];
-        if (g && g->numel() > 0 && !(c.in_place && t == 7)) { g = null_of(*g); applied = true; }
+        if (g && g->numel() > 0 && !(c.in_place && t == 7)) { g = null_data(*g); applied = true; }
       } else if (!c.backward && out.numel() > 0) {
         outs.output = mutable_tensor_view(nullptr, out.type(), out.shape(), out.strides());
         applied = true;

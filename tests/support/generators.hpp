@@ -218,6 +218,13 @@ inline bool gaps_untouched(const buffer& b) {
   return true;
 }
 
+/// A [n] index buffer (cu_seqlens, state indices) of integer dtype `t` holding `values`.
+inline buffer index_buffer(const std::vector<std::int64_t>& values, dtype t = dtype::int64) {
+  buffer b(t, {std::int64_t(values.size())});
+  b.fill([&](const idx& i) { return double(values[std::size_t(i[0])]); });
+  return b;
+}
+
 /// Whether two views hold the same elements bit for bit (a NaN equals the same NaN).
 inline bool bitwise_equal(const tensor_view& a, const tensor_view& b) {
   if (a.type() != b.type() || a.shape_vec() != b.shape_vec()) return false;
