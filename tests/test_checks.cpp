@@ -9,11 +9,11 @@
 
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <string>
 #include <utility>
 
 #include "support/forward.hpp"
+#include "support/rejects.hpp"
 #include "test_backward_common.hpp"
 #include "test_step_common.hpp"
 
@@ -22,23 +22,6 @@ using namespace recattn::testing;
 using Catch::Matchers::Contains;
 
 namespace {
-
-template <class Run>
-std::string error_of(Run&& run) {
-  try {
-    run();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
-
-/// "recattn: <argument>: expected <expected...>, got <got...>"
-void check_message(const std::string& m, const std::string& argument, const std::string& expected,
-                   const std::string& got) {
-  INFO(m);
-  CHECK_THAT(m, Contains(argument + ": expected ") && Contains(expected) && Contains(", got " + got));
-}
 
 problem_spec spec(dtype type = dtype::float32) {
   problem_spec s;
@@ -51,12 +34,11 @@ problem_spec spec(dtype type = dtype::float32) {
 }
 
 /// A valid forward call into sentinel buffers.
-struct forward_call {
+struct forward_call : replacements {
   problem_data d;
   tensor_view q, k, v;
   forward_options o;
   buffer out, state;
-  std::list<buffer> keep;
   explicit forward_call(problem_spec s) : d(generate(s)) {
     q = d.q, k = d.k, v = d.v;
     o = d.options();
@@ -68,21 +50,16 @@ struct forward_call {
   std::string run() {
     return error_of([&] { recurrent_attention(q, k, v, o, {out.mutable_view(), state.mutable_view()}); });
   }
-  tensor_view make(dtype t, std::vector<std::int64_t> shape) {
-    keep.push_back(buffer(t, std::move(shape)).fill([](const idx&) { return 0.5; }));
-    return keep.back().view();
-  }
 };
 
 /// A valid backward call (every gradient asked for) into sentinel buffers.
-struct backward_call {
+struct backward_call : replacements {
   problem_data d;
   incoming in;
   forward_options o;
   output_grads g;
   std::vector<buffer> grads;
   backward_outputs outs;
-  std::list<buffer> keep;
   explicit backward_call(problem_spec s) : d(generate(s)), in(make_incoming(s, true, 11)) {
     o = d.options();
     g = in.view();
@@ -101,14 +78,11 @@ struct backward_call {
   std::string run() {
     return error_of([&] { recurrent_attention_backward(d.q, d.k, d.v, o, g, outs); });
   }
+  /// The gradient buffers of the valid call and every replacement `sentinel` made.
   bool untouched_all() const {
     for (const buffer& b : grads)
       if (b.present() && !untouched(b)) return false;
-    return true;
-  }
-  mutable_tensor_view sentinel(dtype t, std::vector<std::int64_t> shape) {
-    keep.push_back(sentinel_buffer(t, std::move(shape)));
-    return keep.back().mutable_view();
+    return sentinels_untouched();
   }
 };
 
@@ -288,13 +262,12 @@ namespace {
 
 /// A valid single-token step (B2 H2 K4 V3, or B1, every gate, state_indices with spare
 /// slots, no snapshots) into sentinel buffers.
-struct step_call {
+struct step_call : replacements {
   problem_data d;
   tensor_view q, k, v;
   step_options o;
   buffer pool, out, ix;
   mutable_tensor_view pool_view, out_view;
-  std::list<buffer> keep;
   explicit step_call(dtype type = dtype::float32, std::int64_t B = 2) : d(generate(spec(type, B))) {
     const token_args a = token_of(d, 0);
     q = a.q, k = a.k, v = a.v;
@@ -317,19 +290,8 @@ struct step_call {
   std::string run() {
     return error_of([&] { step(q, k, v, pool_view, out_view, o); });
   }
-  bool all_untouched() const {
-    for (const buffer& b : keep)
-      if (b.present() && !b.bytes().empty() && b.bytes()[0] == sentinel_byte && !untouched(b)) return false;
-    return untouched(pool) && untouched(out);
-  }
-  tensor_view make(dtype t, std::vector<std::int64_t> shape, double value = -0.25) {
-    keep.push_back(buffer(t, std::move(shape)).fill([=](const idx&) { return value; }));
-    return keep.back().view();
-  }
-  mutable_tensor_view sentinel(dtype t, std::vector<std::int64_t> shape) {
-    keep.push_back(sentinel_buffer(t, std::move(shape)));
-    return keep.back().mutable_view();
-  }
+  /// The pool, the output and every replacement `sentinel` made.
+  bool untouched_all() const { return sentinels_untouched() && untouched(pool) && untouched(out); }
 };
 
 }  // namespace
@@ -361,7 +323,7 @@ TEST_CASE("checks: step with V = 0, a value with no heads, or negative sizes", "
     c.v = tensor_view(c.d.v.data(), dtype::float32, {-1, 2, 3});
     check_message(c.run(), "query", "non-negative sizes", "[-1, 2, 4]");
   }
-  CHECK(c.all_untouched());
+  CHECK(c.untouched_all());
 }
 
 TEST_CASE("checks: step gates of rank 3 (g_gamma) or with null data", "[checks][step]") {
@@ -378,7 +340,7 @@ TEST_CASE("checks: step gates of rank 3 (g_gamma) or with null data", "[checks][
     c.o.gv = tensor_view(nullptr, dtype::float32, {2, 2, 3});
     check_message(c.run(), "gv", "non-null data", "null pointer");
   }
-  CHECK(c.all_untouched());
+  CHECK(c.untouched_all());
 }
 
 TEST_CASE("checks: step state_pool of float32 for float64 inputs, or with a negative stride", "[checks][step]") {
@@ -387,14 +349,14 @@ TEST_CASE("checks: step state_pool of float32 for float64 inputs, or with a nega
     step_call c(dtype::float64);
     c.pool_view = c.sentinel(dtype::float32, {4, 2, 4, 3});
     check_message(c.run(), "state_pool", "dtype float64 (the state of float64 inputs)", "dtype float32");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("negative slot stride") {
     step_call c;
     float* last = static_cast<float*>(c.pool.data()) + 3 * 24;
     c.pool_view = mutable_tensor_view(last, dtype::float32, {4, 2, 4, 3}, {-24, 12, 3, 1});
     check_message(c.run(), "state_pool", "non-negative strides", "stride -24 in dimension 0");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
 }
 
@@ -403,19 +365,19 @@ TEST_CASE("checks: step state_indices with null data or a stride other than 1", 
     step_call c;
     c.o.state_indices = tensor_view(nullptr, dtype::int64, {2});
     check_message(c.run(), "state_indices", "non-null data", "null pointer");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("stride -1, two rows: the last-dimension check") {
     step_call c;
     c.o.state_indices = tensor_view(static_cast<const std::int64_t*>(c.ix.data()) + 1, dtype::int64, {2}, {-1});
     check_message(c.run(), "state_indices", "stride 1 in the last dimension", "stride -1");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("stride -1, one row: the only case that reaches the non-negative stride check") {
     step_call c(dtype::float32, 1);
     c.o.state_indices = tensor_view(c.ix.data(), dtype::int64, {1}, {-1});
     check_message(c.run(), "state_indices", "a non-negative stride", "stride -1");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
 }
 
@@ -442,7 +404,7 @@ TEST_CASE("checks: step snapshots of the wrong rank, null, with a negative strid
     c.out_view = mutable_tensor_view(s.data(), dtype::float32, {2, 2, 3});
     check_message(c.run(), "output", "memory disjoint from state_pool and snapshots", "a buffer overlapping them");
   }
-  CHECK(c.all_untouched());
+  CHECK(c.untouched_all());
 }
 
 TEST_CASE("checks: step snapshot_indices with null data or a negative stride", "[checks][step]") {
@@ -451,7 +413,7 @@ TEST_CASE("checks: step snapshot_indices with null data or a negative stride", "
     c.o.snapshots = c.sentinel(dtype::float32, {2, 2, 4, 3});
     c.o.snapshot_indices = tensor_view(nullptr, dtype::int64, {2});
     check_message(c.run(), "snapshot_indices", "non-null data", "null pointer");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("negative stride (one row: with more, the last-dimension check fires first)") {
     step_call c(dtype::float32, 1);
@@ -459,21 +421,15 @@ TEST_CASE("checks: step snapshot_indices with null data or a negative stride", "
     const tensor_view si = c.make(dtype::int64, {1}, 0.0);
     c.o.snapshot_indices = tensor_view(si.data(), dtype::int64, {1}, {-1});
     check_message(c.run(), "snapshot_indices", "non-negative strides", "stride -1");
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
 }
 
 TEST_CASE("checks: step cu_seqlens of rank 2, empty, or not contiguous", "[checks][step]") {
   // A multi-token varlen call: q [1, 4, H, K], two sequences.
   step_call c;
-  c.q = c.make(dtype::float32, {1, 4, 2, 4});
-  c.k = c.make(dtype::float32, {1, 4, 2, 4});
-  c.v = c.make(dtype::float32, {1, 4, 2, 3});
-  c.o.g = c.make(dtype::float32, {1, 4, 2});
-  c.o.gk = c.make(dtype::float32, {1, 4, 2, 4});
-  c.o.gv = c.make(dtype::float32, {1, 4, 2, 3});
+  to_varlen_step(c, 4);
   c.o.g_gamma = c.make(dtype::float32, {2});
-  c.out_view = c.sentinel(dtype::float32, {1, 4, 2, 3});
   SECTION("rank 2") {
     c.o.cu_seqlens = c.make(dtype::int64, {3, 1}, 0.0);
     check_message(c.run(), "cu_seqlens", "rank 1 [N + 1]", "rank 2 [3, 1]");
@@ -489,18 +445,12 @@ TEST_CASE("checks: step cu_seqlens of rank 2, empty, or not contiguous", "[check
     check_message(c.run(), "cu_seqlens", "stride 1 in the last dimension", "stride 2");
   }
   SECTION("stride 2, one entry (no sequences, no tokens): the contiguity check") {
-    c.q = c.make(dtype::float32, {1, 0, 2, 4});
-    c.k = c.make(dtype::float32, {1, 0, 2, 4});
-    c.v = c.make(dtype::float32, {1, 0, 2, 3});
-    c.o.g = c.make(dtype::float32, {1, 0, 2});
-    c.o.gk = c.make(dtype::float32, {1, 0, 2, 4});
-    c.o.gv = c.make(dtype::float32, {1, 0, 2, 3});
+    to_varlen_step(c, 0);
     c.o.state_indices.reset();
-    c.out_view = c.sentinel(dtype::float32, {1, 0, 2, 3});
     c.o.cu_seqlens = tensor_view(c.make(dtype::int64, {2}, 0.0).data(), dtype::int64, {1}, {2});
     check_message(c.run(), "cu_seqlens", "a contiguous tensor", "stride 2");
   }
-  CHECK(c.all_untouched());
+  CHECK(c.untouched_all());
 }
 
 TEST_CASE("checks: step cfg fields below zero", "[checks][step]") {
@@ -521,7 +471,7 @@ TEST_CASE("checks: step cfg fields below zero", "[checks][step]") {
     c.o.cfg = bad;
     check_message(c.run(), "cfg.chunk", "a value >= 0", "-3");
   }
-  CHECK(c.all_untouched());
+  CHECK(c.untouched_all());
 }
 
 TEST_CASE("checks: a step that needs a variant this build cut names the macro", "[checks][step][caps]") {
@@ -532,42 +482,34 @@ TEST_CASE("checks: a step that needs a variant this build cut names the macro", 
       INFO(macro);
       step_call c(type);
       CHECK_THAT(c.run(), Contains(macro) && Contains("compiled"));
-      CHECK(c.all_untouched());
+      CHECK(c.untouched_all());
     }
   }
   SECTION("bfloat16 state storage") {
     step_call c;
     c.pool_view = c.sentinel(dtype::bfloat16, {4, 2, 4, 3});
     CHECK_THAT(c.run(), Contains("RECATTN_DISABLE_BF16_STATE") && Contains("compiled"));
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("[V, K] pool") {
     step_call c;
     c.o.state_layout = state_layout::vk;
     c.pool_view = c.sentinel(dtype::float32, {4, 2, 3, 4});
     CHECK_THAT(c.run(), Contains("RECATTN_DISABLE_VK_STATE") && Contains("compiled"));
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("varlen") {
     step_call c;
-    c.q = c.make(dtype::float32, {1, 2, 2, 4});
-    c.k = c.make(dtype::float32, {1, 2, 2, 4});
-    c.v = c.make(dtype::float32, {1, 2, 2, 3});
-    c.o.g = c.make(dtype::float32, {1, 2, 2});
-    c.o.gk = c.make(dtype::float32, {1, 2, 2, 4});
-    c.o.gv = c.make(dtype::float32, {1, 2, 2, 3});
-    c.o.cu_seqlens = c.make(dtype::int64, {3}, 1.0);
-    c.keep.back().set({0}, 0.0);
-    c.keep.back().set({2}, 2.0);
-    c.out_view = c.sentinel(dtype::float32, {1, 2, 2, 3});
+    to_varlen_step(c, 2);
+    c.o.cu_seqlens = c.indices({0, 1, 2});
     CHECK_THAT(c.run(), Contains("RECATTN_DISABLE_VARLEN") && Contains("compiled"));
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
   SECTION("gates") {
     step_call c;
     c.o.gv.reset();
     CHECK_THAT(c.run(), Contains("RECATTN_GATE_MASK_ONLY") && Contains("compiled"));
-    CHECK(c.all_untouched());
+    CHECK(c.untouched_all());
   }
 }
 

@@ -6,10 +6,10 @@
 
 #include <cmath>
 #include <limits>
-#include <list>
 #include <string>
 
 #include "support/forward.hpp"
+#include "support/rejects.hpp"
 
 using namespace recattn;
 using namespace recattn::testing;
@@ -19,13 +19,12 @@ namespace {
 
 /// A valid forward call (all four gates, an initial state, the final state asked for) into
 /// sentinel buffers, that a test breaks one argument of.
-struct call {
+struct call : replacements {
   problem_data d;
   tensor_view q, k, v;
   forward_options o;
   buffer out, state;
   bool pass_state_buffer = true;
-  std::list<buffer> keep;  // storage of replacement tensors (views into it stay valid)
 
   explicit call(problem_spec s) : d(generate(s)) {
     q = d.q, k = d.k, v = d.v;
@@ -40,17 +39,6 @@ struct call {
     forward_outputs r{out.mutable_view(), std::nullopt};
     if (pass_state_buffer) r.final_state = state.mutable_view();
     return r;
-  }
-  /// A new tensor of the given dtype and shape, filled with small valid values.
-  tensor_view make(dtype t, std::vector<std::int64_t> shape) {
-    keep.push_back(buffer(t, std::move(shape)).fill([](const idx&) { return -0.25; }));
-    return keep.back().view();
-  }
-  /// An integer cu_seqlens tensor.
-  tensor_view cu(std::vector<std::int64_t> values, dtype t = dtype::int64) {
-    keep.push_back(buffer(t, {std::int64_t(values.size())}));
-    keep.back().fill([&](const idx& i) { return double(values[std::size_t(i[0])]); });
-    return keep.back().view();
   }
 };
 
@@ -72,9 +60,6 @@ problem_spec varlen_spec() {
   return s;
 }
 
-/// The view `t` with data replaced by null.
-tensor_view null_data(const tensor_view& t) { return tensor_view(nullptr, t.type(), t.shape_vec(), strides_of(t)); }
-
 /// The forms of the forward call a check applies to.
 enum form : unsigned {
   caller_owned = 1u,  ///< recurrent_attention(q, k, v, options, outputs)
@@ -82,22 +67,6 @@ enum form : unsigned {
   reference = 4u,     ///< reference_recurrent_attention(q, k, v, options)
   every_form = 7u,
 };
-
-/// The message of the recattn::Error that `run` throws ("" when it throws none).
-template <class Run>
-std::string error_of(Run&& run) {
-  try {
-    run();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
-
-/// The message names the argument ("<argument>: expected ..., got ...").
-void check_message(const std::string& message, const std::string& argument) {
-  CHECK_THAT(message, Contains(argument + ":") && Contains("expected") && Contains("got"));
-}
 
 /// Expects each form in `forms` to reject the call, naming `argument`, with nothing written
 /// to the caller's output and state buffers. Checks about output buffers apply to the
@@ -279,27 +248,27 @@ TEST_CASE("bad input: a head count that does not divide H", "[forward][bad_input
 
 TEST_CASE("bad input: cu_seqlens not starting at 0", "[forward][bad_input][varlen]") {
   call c(varlen_spec());
-  c.o.cu_seqlens = c.cu({1, 3, 3, 8});
+  c.o.cu_seqlens = c.indices({1, 3, 3, 8});
   require_rejected(c, "cu_seqlens");
 }
 
 TEST_CASE("bad input: cu_seqlens decreasing", "[forward][bad_input][varlen]") {
   const dtype t = GENERATE(dtype::int32, dtype::int64);
   call c(varlen_spec());
-  c.o.cu_seqlens = c.cu({0, 4, 2, 8}, t);
+  c.o.cu_seqlens = c.indices({0, 4, 2, 8}, t);
   require_rejected(c, "cu_seqlens");
 }
 
 TEST_CASE("bad input: cu_seqlens not ending at the token count", "[forward][bad_input][varlen]") {
   const std::int64_t last = GENERATE(7, 9);
   call c(varlen_spec());
-  c.o.cu_seqlens = c.cu({0, 3, 3, last});
+  c.o.cu_seqlens = c.indices({0, 3, 3, last});
   require_rejected(c, "cu_seqlens");
 }
 
 TEST_CASE("bad input: cu_seqlens with B != 1", "[forward][bad_input][varlen]") {
   call c(dense_spec());  // B = 2, T = 5
-  c.o.cu_seqlens = c.cu({0, 2, 5});
+  c.o.cu_seqlens = c.indices({0, 2, 5});
   require_rejected(c, "query");  // "query: expected batch size B = 1 with cu_seqlens ..."
   CHECK_THAT(error_of([&] { recurrent_attention(c.q, c.k, c.v, c.o, c.outputs()); }), Contains("cu_seqlens"));
 }
@@ -311,7 +280,7 @@ TEST_CASE("bad input: cu_seqlens of the wrong dtype or rank", "[forward][bad_inp
     c.keep.push_back(buffer(dtype::int64, {2, 2}).fill([](const idx& i) { return double(i[0] * 2 + i[1]); }));
     c.o.cu_seqlens = c.keep.back().view();
   }
-  SECTION("no entries") { c.o.cu_seqlens = c.cu({}); }
+  SECTION("no entries") { c.o.cu_seqlens = c.indices({}); }
   require_rejected(c, "cu_seqlens");
 }
 
