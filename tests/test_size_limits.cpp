@@ -75,6 +75,23 @@ mutable_tensor_view place_sentinel(const sparse_region& r, int s, const std::vec
   return v;
 }
 
+/// The inputs of `d` in `r`: q, k and v at slots 0 to 2, and options holding g, g_gamma, gk,
+/// gv and initial_state at slots 3 to 7.
+struct placed_inputs {
+  tensor_view q, k, v;
+  forward_options o;
+};
+placed_inputs place_inputs(const sparse_region& r, const problem_data& d) {
+  placed_inputs p;
+  p.q = place(r, 0, d.q), p.k = place(r, 1, d.k), p.v = place(r, 2, d.v);
+  p.o.g = place(r, 3, d.g);
+  p.o.g_gamma = place(r, 4, d.g_gamma);
+  p.o.gk = place(r, 5, d.gk);
+  p.o.gv = place(r, 6, d.gv);
+  p.o.initial_state = place(r, 7, d.initial_state);
+  return p;
+}
+
 problem_spec big_offset_spec() {
   problem_spec s;
   s.B = 2;
@@ -96,13 +113,9 @@ TEST_CASE("forward: offsets past 2^31 elements (batch stride 2^31 + 4096) are in
   const problem_data d = generate(s);
   sparse_region r(region_elements(10));
   REQUIRE(r.base() != nullptr);
-  const tensor_view q = place(r, 0, d.q), k = place(r, 1, d.k), v = place(r, 2, d.v);
-  forward_options o;
-  o.g = place(r, 3, d.g);
-  o.g_gamma = place(r, 4, d.g_gamma);
-  o.gk = place(r, 5, d.gk);
-  o.gv = place(r, 6, d.gv);
-  o.initial_state = place(r, 7, d.initial_state);
+  const placed_inputs p = place_inputs(r, d);
+  const tensor_view &q = p.q, &k = p.k, &v = p.v;
+  forward_options o = p.o;
   o.return_state = true;
   const mutable_tensor_view out = place_sentinel(r, 8, s.output_shape());
   const mutable_tensor_view state = place_sentinel(r, 9, s.state_shape());
@@ -129,13 +142,9 @@ TEST_CASE("backward: offsets past 2^31 elements are indexed in 64 bits, inputs a
   // Inputs share one region; each gradient gets its own (gradients may overlap nothing).
   sparse_region r(region_elements(10));
   REQUIRE(r.base() != nullptr);
-  const tensor_view q = place(r, 0, d.q), k = place(r, 1, d.k), v = place(r, 2, d.v);
-  forward_options o;
-  o.g = place(r, 3, d.g);
-  o.g_gamma = place(r, 4, d.g_gamma);
-  o.gk = place(r, 5, d.gk);
-  o.gv = place(r, 6, d.gv);
-  o.initial_state = place(r, 7, d.initial_state);
+  const placed_inputs p = place_inputs(r, d);
+  const tensor_view &q = p.q, &k = p.k, &v = p.v;
+  forward_options o = p.o;
   output_grads g{place(r, 8, in.dO), tensor_view(place(r, 9, in.dht))};
 
   const buffer* like[] = {&d.q, &d.k, &d.v, &d.g, &d.g_gamma, &d.gk, &d.gv, &d.initial_state};
