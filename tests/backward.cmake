@@ -22,3 +22,8 @@ recattn_add_test(test_backward_low_precision
   SOURCES test_backward_low_precision.cpp
   DEFINES RECATTN_DISABLE_FLOAT64=1 RECATTN_DISABLE_VARLEN=1 RECATTN_DISABLE_VK_STATE=1 RECATTN_DISABLE_REVERSE=1
   LABELS cpu backward)
+# Strong, mixed, moderate, growing and zero decays (the rescaled sweeps' segment bounds).
+recattn_add_test(test_backward_decay
+  SOURCES test_backward_decay.cpp
+  DEFINES ${recattn_float_only} RECATTN_DISABLE_VARLEN=1 RECATTN_DISABLE_VK_STATE=1
+  LABELS cpu backward)

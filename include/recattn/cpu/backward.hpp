@@ -92,31 +92,48 @@ namespace recattn::cpu {
 
 namespace detail {
 
-/// One chunk of the adjoint sweep for a register tile of R key rows x NV registers of value
-/// columns of dS, in reverse token order. The tile holds A_l = D_{l+1} .* dS_{l+1} (the
-/// adjoint without token l's own output) when token l is reached; adds the tile's share of
-/// dv'_l = A_l^T k to dvp ([L][ldv]); stores (first column tile) or adds the tile's lane
-/// partials of dk'_l = A_l v to kpart ([L][ldk][W]); then dS_l = A_l + q_l dO_l^T and
-/// A_{l-1} = D_l .* dS_l. (dk = dk' + q (dO . v) and dv = dv' + dO (q . k) are completed per
-/// token by the caller: the gate gradients need the primed terms, see the top of the file.)
-template <class Acc, bool DecayRow, bool DecayCol, int R, int NV>
-inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc* drs, std::int64_t ldk,
-                         const Acc* vs, const Acc* dos, const Acc* dcs, std::int64_t ldv, Acc* S, std::int64_t lds,
-                         Acc* dvp, Acc* kpart, bool first) {
+/// Applies a segment start's factors (segment_factors, as in the forward's scan_tile) to a
+/// register tile: the rescaled values back to the true ones, then the start token's decays.
+template <class Acc, int R, int NV, class B>
+inline void apply_segment_factors(B (&s)[R][NV], const segment_factors<Acc>& f) {
+  constexpr std::int64_t W = std::int64_t(B::size);
+  if (f.r1)
+    for (int i = 0; i < R; ++i) {
+      const B a(f.r1[i]), b(f.r2[i]);
+      for (int j = 0; j < NV; ++j) s[i][j] = (s[i][j] * a) * b;
+    }
+  if (f.c1)
+    for (int j = 0; j < NV; ++j) {
+      const B a = B::load_unaligned(f.c1 + j * W), b = B::load_unaligned(f.c2 + j * W);
+      for (int i = 0; i < R; ++i) s[i][j] = (s[i][j] * a) * b;
+    }
+}
+
+/// One segment of the adjoint sweep for a register tile of R key rows x NV registers of
+/// value columns of dS, in the rescaled form (see sweep B): tokens in sweep order (reverse
+/// processing order), the tile holding dS' = dS / P with P the product of the decays applied
+/// since the segment began. At token u the tile holds A'_u (the adjoint without token u's own
+/// output: A_u = P_u .* A'_u); it adds the tile's share of A'^T k'' to dvp ([L][ldv]), stores
+/// (first column tile) or adds its lane partials of A' v'' to kpart ([L][ldk][W]), then
+/// dS' += q' dO'^T. Three FMAs per state element for every gate set; the caller stages
+/// k'' = k * Pr, v'' = v * Pc, q' = q / Pr, dO' = dO / Pc and scales the results by Pr, Pc.
+template <class Acc, int R, int NV>
+inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, std::int64_t ldk, const Acc* vs, const Acc* dos,
+                         std::int64_t ldv, Acc* S, std::int64_t lds, Acc* dvp, Acc* kpart, bool first,
+                         const segment_factors<Acc>& f) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
   B s[R][NV];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) s[i][j] = B::load_aligned(S + i * lds + j * W);
-  for (std::int64_t l = L - 1; l >= 0; --l) {
+  apply_segment_factors<Acc>(s, f);
+  for (std::int64_t l = 0; l < L; ++l) {
     const Acc* qr = qs + l * ldk;
     const Acc* kr = ks + l * ldk;
-    const Acc* dr = drs + l * ldk;
-    B v[NV], d[NV], dc[NV], dva[NV];
+    B v[NV], d[NV], dva[NV];
     for (int j = 0; j < NV; ++j) {
       v[j] = B::load_aligned(vs + l * ldv + j * W);
       d[j] = B::load_aligned(dos + l * ldv + j * W);
-      if constexpr (DecayCol) dc[j] = B::load_aligned(dcs + l * ldv + j * W);
       dva[j] = B::load_aligned(dvp + l * ldv + j * W);
     }
     Acc* kp = kpart + l * ldk * W;
@@ -128,15 +145,6 @@ inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc
         dka = xsimd::fma(s[i][j], v[j], dka);
         s[i][j] = xsimd::fma(qb, d[j], s[i][j]);
       }
-      if constexpr (DecayRow) {
-        const B db(dr[i]);
-        for (int j = 0; j < NV; ++j) {
-          if constexpr (DecayCol) s[i][j] = s[i][j] * (db * dc[j]);
-          else s[i][j] = s[i][j] * db;
-        }
-      } else if constexpr (DecayCol) {
-        for (int j = 0; j < NV; ++j) s[i][j] = s[i][j] * dc[j];
-      }
       if (first) dka.store_aligned(kp + i * W);
       else (B::load_aligned(kp + i * W) + dka).store_aligned(kp + i * W);
     }
@@ -146,19 +154,19 @@ inline void adjoint_tile(std::int64_t L, const Acc* qs, const Acc* ks, const Acc
     for (int j = 0; j < NV; ++j) s[i][j].store_aligned(S + i * lds + j * W);
 }
 
-/// One chunk of the state sweep on S^T for a register tile of R value rows x NV registers of
-/// key columns, in token order. At token l the tile first decays, D_l .* S_{l-1}, and reads
-/// that (not S_l) for its shares of dq'_l = scale * (D_l .* S_{l-1}) dO (added to dqp,
-/// [L][ldk]) and, with NeedO, the lane partials of o'_l = (D_l .* S_{l-1})^T q (stored or
-/// added to opart, [L][ldv][W]); then S_l = D_l .* S_{l-1} + k v^T. (The caller adds token
-/// l's own terms, dq = dq' + scale k (v . dO), o = o' + v (k . q).) With NeedR it also
-/// carries the tangent R = dS / d g_gamma, R_l = D_l .* (R_{l-1} + S_{l-1}), in Rt ([R][lds])
-/// and adds the tile's share of scale * R_l dO to rqp ([L][ldk]). dos is dO pre-multiplied
-/// by the scale.
-template <class Acc, bool DecayRow, bool DecayCol, bool NeedO, bool NeedR, int R, int NV>
-inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc* drs, std::int64_t ldv,
-                       const Acc* ks, const Acc* qs, const Acc* dcs, std::int64_t ldk, Acc* S, Acc* Rt, std::int64_t lds,
-                       Acc* dqp, Acc* rqp, Acc* opart, bool first) {
+/// One segment of the state sweep on S^T for a register tile of R value rows x NV registers
+/// of key columns, in processing order and the rescaled form (see sweep A): the tile holds
+/// S'^T = S^T / P. At token l it reads S'_{l-1} (after the segment start's factors: D_l .*
+/// S_{l-1} = P_l .* S'_{l-1}) for its share of dq' (dO'' . S', added to dqp, [L][ldk]) and,
+/// with NeedO, the lane partials of o' (S' q'', stored or added to opart, [L][ldv][W]); then
+/// S' += v' k'^T. With NeedR it carries the rescaled tangent R' = R' + S'_{l-1} (R_l = D_l .*
+/// (R_{l-1} + S_{l-1})) in Rt and adds dO'' . R' to rqp. Two FMAs per state element (and one
+/// add and one FMA for the tangent); the caller stages dO'' = scale dO * Pr, v' = v / Pr,
+/// k' = k / Pc, q'' = q * Pc (rows r: value index, columns c: key index) and scales the results.
+template <class Acc, bool NeedO, bool NeedR, int R, int NV>
+inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, std::int64_t ldv, const Acc* ks, const Acc* qs,
+                       std::int64_t ldk, Acc* S, Acc* Rt, std::int64_t lds, Acc* dqp, Acc* rqp, Acc* opart, bool first,
+                       const segment_factors<Acc>& f) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
   B s[R][NV];
@@ -168,14 +176,14 @@ inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc*
       s[i][j] = B::load_aligned(S + i * lds + j * W);
       if constexpr (NeedR) rt[i][j] = B::load_aligned(Rt + i * lds + j * W);
     }
+  apply_segment_factors<Acc>(s, f);
+  if constexpr (NeedR) apply_segment_factors<Acc>(rt, f);
   for (std::int64_t l = 0; l < L; ++l) {
     const Acc* vr = vs + l * ldv;
     const Acc* dr = dos + l * ldv;
-    const Acc* er = drs + l * ldv;
-    B k[NV], dc[NV], q[NV], dqa[NV], rqa[NeedR ? NV : 1];
+    B k[NV], q[NV], dqa[NV], rqa[NeedR ? NV : 1];
     for (int j = 0; j < NV; ++j) {
       k[j] = B::load_aligned(ks + l * ldk + j * W);
-      if constexpr (DecayCol) dc[j] = B::load_aligned(dcs + l * ldk + j * W);
       if constexpr (NeedO) q[j] = B::load_aligned(qs + l * ldk + j * W);
       dqa[j] = B::load_aligned(dqp + l * ldk + j * W);
       if constexpr (NeedR) rqa[j] = B::load_aligned(rqp + l * ldk + j * W);
@@ -183,24 +191,15 @@ inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc*
     Acc* op = opart + l * ldv * W;
     for (int i = 0; i < R; ++i) {
       const B vb(vr[i]), ob(dr[i]);
-      B eb(Acc(1));
-      if constexpr (DecayRow) eb = B(er[i]);
       B oa(Acc(0));
       for (int j = 0; j < NV; ++j) {
-        B dec = s[i][j];  // D_l .* S_{l-1}
-        if constexpr (DecayRow && DecayCol) dec = s[i][j] * (eb * dc[j]);
-        else if constexpr (DecayRow) dec = s[i][j] * eb;
-        else if constexpr (DecayCol) dec = s[i][j] * dc[j];
         if constexpr (NeedR) {
-          if constexpr (DecayRow && DecayCol) rt[i][j] = xsimd::fma(rt[i][j], eb * dc[j], dec);
-          else if constexpr (DecayRow) rt[i][j] = xsimd::fma(rt[i][j], eb, dec);
-          else if constexpr (DecayCol) rt[i][j] = xsimd::fma(rt[i][j], dc[j], dec);
-          else rt[i][j] = rt[i][j] + dec;
+          rt[i][j] = rt[i][j] + s[i][j];
           rqa[j] = xsimd::fma(ob, rt[i][j], rqa[j]);
         }
-        dqa[j] = xsimd::fma(ob, dec, dqa[j]);
-        if constexpr (NeedO) oa = xsimd::fma(dec, q[j], oa);
-        s[i][j] = xsimd::fma(vb, k[j], dec);
+        dqa[j] = xsimd::fma(ob, s[i][j], dqa[j]);
+        if constexpr (NeedO) oa = xsimd::fma(s[i][j], q[j], oa);
+        s[i][j] = xsimd::fma(vb, k[j], s[i][j]);
       }
       if constexpr (NeedO) {
         if (first) oa.store_aligned(op + i * W);
@@ -217,6 +216,25 @@ inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, const Acc*
       s[i][j].store_aligned(S + i * lds + j * W);
       if constexpr (NeedR) rt[i][j].store_aligned(Rt + i * lds + j * W);
     }
+}
+
+/// x[i] *= y[i] over a padded row.
+template <class Acc>
+inline void mul_row(Acc* x, const Acc* y, std::int64_t n_padded) {
+  using B = xsimd::batch<Acc, arch>;
+  for (std::int64_t i = 0; i < n_padded; i += std::int64_t(B::size))
+    (B::load_aligned(x + i) * B::load_aligned(y + i)).store_aligned(x + i);
+}
+
+/// up[i] = x[i] * r[i] and down[i] = y[i] / r[i] over padded rows (either output may be null).
+template <class Acc>
+inline void scale_rows(const Acc* r, const Acc* x, Acc* up, const Acc* y, Acc* down, std::int64_t n_padded) {
+  using B = xsimd::batch<Acc, arch>;
+  for (std::int64_t i = 0; i < n_padded; i += std::int64_t(B::size)) {
+    const B rb = B::load_aligned(r + i);
+    if (up) (B::load_aligned(x + i) * rb).store_aligned(up + i);
+    if (down) (B::load_aligned(y + i) / rb).store_aligned(down + i);
+  }
 }
 
 /// Horizontal sums of W registers at once (xsimd::haddp), in row order. xsimd 8.1's AVX-512
@@ -418,10 +436,84 @@ struct backward_workspace {
 
 namespace detail {
 
+/// Hands out consecutive slices of a worker's scratch, each rounded up to whole SIMD
+/// registers (so every slice is aligned); with a null base it only counts.
+template <class Acc>
+struct carver {
+  Acc* base;
+  std::int64_t W;
+  std::size_t off = 0;
+  Acc* operator()(std::int64_t n) {
+    Acc* r = base ? base + off : nullptr;
+    off += std::size_t(round_up(std::max<std::int64_t>(n, 0), W));
+    return r;
+  }
+};
+
+/// Sweep B's scratch of one worker. Per head of the item: the rescaled adjoint dS' [K][Vp],
+/// the decay products of its segment (runr [Kp], runc [Vp]) and the decays of the token
+/// processed last (pendr, pendc). Per staged chunk of one head, in sweep order: q * scale,
+/// k, v, dO as given; their rescaled forms q' = q / Pr, k'' = k * Pr, v'' = v * Pc,
+/// dO' = dO / Pc; the products Pr, Pc of each token; the segment-start factors; starts;
+/// dk', dv' of the head and dk, dv of the head groups; the lane partials of dk'. Then the
+/// rounding carries of the gate terms (double).
+template <class Acc>
+struct sweep_b_buffers {
+  Acc *S, *runr, *pendr, *runc, *pendc;
+  Acc *qs, *ks, *q1, *k2, *rr, *fr1, *fr2;
+  Acc *vs, *dos, *v2, *do1, *rc, *fc1, *fc2;
+  Acc *dr, *dc, *starts, *dkh, *dvh, *dkg, *dvg, *kpart;
+  double* run;
+  std::size_t bytes;
+  sweep_b_buffers(Acc* base, std::int64_t W, std::int64_t Gb, std::int64_t K, std::int64_t V, std::int64_t Kp,
+                  std::int64_t Vp, std::int64_t C, std::int64_t nk, std::int64_t nv) {
+    carver<Acc> take{base, W};
+    S = take(Gb * K * Vp);
+    runr = take(Gb * Kp), pendr = take(Gb * Kp), runc = take(Gb * Vp), pendc = take(Gb * Vp);
+    qs = take(C * Kp), ks = take(C * Kp), q1 = take(C * Kp), k2 = take(C * Kp), rr = take(C * Kp);
+    fr1 = take(C * Kp), fr2 = take(C * Kp);
+    vs = take(C * Vp), dos = take(C * Vp), v2 = take(C * Vp), do1 = take(C * Vp), rc = take(C * Vp);
+    fc1 = take(C * Vp), fc2 = take(C * Vp);
+    dr = take(Kp), dc = take(Vp), starts = take(C);
+    dkh = take(C * Kp), dvh = take(C * Vp), dkg = take(nk * C * Kp), dvg = take(nv * C * Vp), kpart = take(C * Kp * W);
+    run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
+    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gb * (K + V + 1)) + 63) / 64 * 64;
+  }
+};
+
+/// Sweep A's scratch of one worker. Per head: the rescaled state S'^T [V][bk] (and the
+/// g_gamma tangent R'), the decay products of its segment (runr [Vp] over value rows: g,
+/// g_gamma, gv; runc [bk] over key columns: gk). Per staged chunk of one head: dO * scale, v,
+/// k, q as given; dO'' = dO * Pr, v' = v / Pr, k' = k / Pc, q'' = q * Pc; the products; the
+/// segment-start factors; starts; dq' of the head (and R dO), dq of the group, o' and its lane
+/// partials. Then the running sums (double).
+template <class Acc>
+struct sweep_a_buffers {
+  Acc *S, *Rt, *runr, *runc;
+  Acc *dos, *vs, *do2, *v1, *cr, *fr1, *fr2;
+  Acc *ks, *qs, *k1, *q2, *cc, *fc1, *fc2;
+  Acc *er, *ec, *starts, *dqh, *dqg, *rqh, *oh, *opart;
+  double* run;
+  std::size_t bytes;
+  sweep_a_buffers(Acc* base, std::int64_t W, std::int64_t Ga, std::int64_t V, std::int64_t Vp, std::int64_t bk,
+                  std::int64_t C, std::int64_t nr) {
+    carver<Acc> take{base, W};
+    S = take(Ga * V * bk), Rt = take(nr * Ga * V * bk), runr = take(Ga * Vp), runc = take(Ga * bk);
+    dos = take(C * Vp), vs = take(C * Vp), do2 = take(C * Vp), v1 = take(C * Vp), cr = take(C * Vp);
+    fr1 = take(C * Vp), fr2 = take(C * Vp);
+    ks = take(C * bk), qs = take(C * bk), k1 = take(C * bk), q2 = take(C * bk), cc = take(C * bk);
+    fc1 = take(C * bk), fc2 = take(C * bk);
+    er = take(Vp), ec = take(bk), starts = take(C);
+    dqh = take(C * bk), dqg = take(C * bk), rqh = take(nr * C * bk), oh = take(C * Vp), opart = take(C * Vp * W);
+    run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
+    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Ga * (bk + V + 2)) + 63) / 64 * 64;
+  }
+};
+
 /// Sizes and blockings of one call, shared by the kernel and backward_workspace_of.
 template <class Acc>
 struct backward_plan {
-  std::int64_t W, K, V, Kp, Vp, C, Ga, Gb, bk, nkb, items_a, items_b;
+  std::int64_t W, K, V, Kp, Vp, C, Ga, Gb, bk, nkb, items_a, items_b, nk, nv, nr;
   int threads_a, threads_b;
   bool want_k, want_v, want_s, want_gamma, need_o;
   std::size_t per_b, per_a, consts;
@@ -456,29 +548,49 @@ struct backward_plan {
     items_a = p.N * (p.H / Ga) * nkb;
     threads_b = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_b)));
     threads_a = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_a)));
-    const std::int64_t nk = Gb / (p.H / p.Hk), nv = Gb / (p.H / p.Hv);
-    // Sweep B: adjoints, staged chunk (q k dr / v dO dc), dk/dv of a head and of its groups,
-    // dk lane partials; then the rounding carries of the gate terms (double).
-    per_b = sizeof(Acc) * std::size_t(Gb * K * Vp + 3 * C * Kp + 3 * C * Vp + C * Kp + C * Vp + nk * C * Kp +
-                                      nv * C * Vp + C * Kp * W) +
-            sizeof(double) * std::size_t(Gb * (K + V + 1));
-    // Sweep A: states S^T (and their g_gamma tangents), staged chunk (dO v dr / k q dc), dq
-    // of a head (and the tangent's R dO), dq of the group, o and its lane partials; then
-    // running sums.
-    const std::int64_t nr = want_gamma ? 1 : 0;
-    per_a = sizeof(Acc) * std::size_t((1 + nr) * Ga * V * bk + 3 * C * Vp + 3 * C * bk + (2 + nr) * C * bk + C * Vp +
-                                      C * Vp * W) +
-            sizeof(double) * std::size_t(Ga * (bk + V + 2));
-    // Every worker's slice starts 64-byte aligned.
-    per_b = (per_b + 63) / 64 * 64;
-    per_a = (per_a + 63) / 64 * 64;
+    nk = Gb / (p.H / p.Hk);
+    nv = Gb / (p.H / p.Hv);
+    nr = want_gamma ? 1 : 0;
+    per_b = sweep_b_buffers<Acc>(nullptr, W, Gb, K, V, Kp, Vp, C, nk, nv).bytes;
+    per_a = sweep_a_buffers<Acc>(nullptr, W, Ga, V, Vp, bk, C, nr).bytes;
     consts = sizeof(double) * std::size_t(p.N * p.H * (K + V + 2));
   }
 };
 
+/// Calls body(l0, l1, start) for each segment [l0, l1) of a staged chunk of cl tokens:
+/// a segment begins where starts[l] is set (and at 0); without decays one segment.
+template <bool Decay, class Acc, class Body>
+inline void for_each_segment(const Acc* starts, std::int64_t cl, Body&& body) {
+  for (std::int64_t l0 = 0, l1; l0 < cl; l0 = l1) {
+    l1 = l0 + 1;
+    if constexpr (Decay)
+      while (l1 < cl && starts[l1] == Acc(0)) ++l1;
+    else
+      l1 = cl;
+    body(l0, l1, Decay && starts[l0] != Acc(0));
+  }
+}
+
+/// Register-tile calls of one pass of for_each_tile over a [rows x cols_p] state.
+template <class Acc, int R, int NV>
+inline std::int64_t tile_count(std::int64_t rows, std::int64_t cols_p) {
+  constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
+  return (rows / R + rows % R) * (cols_p / (NV * W) + cols_p % (NV * W) / W);
+}
+
 }  // namespace detail
 
 /// The backward pass for one compiled specialization. `bp` is checked; `c` resolved.
+///
+/// Both sweeps run the forward's rescaled recurrence (recurrence.hpp, rescale_bound): within
+/// a segment the carried matrix is kept divided by the product P of the decays applied since
+/// the segment began (a key-row factor Pr for g, g_gamma, gk; a value-column factor Pc for
+/// gv), so the inner loops do FMAs only, whatever the gates: 3 per state element and token in
+/// the adjoint sweep (dk', dv', the update), 2 in the state sweep (dq', the update). A
+/// segment ends before the token that would take any product out of [e^-20, e^20]; that
+/// token applies the previous products and its own decay to the true matrix as plain
+/// multiplies (a decay of 0 zeroes it exactly). Nothing is ever divided by a decay outside
+/// those bounds; the products scale O(K + V) rows per token.
 template <class T, class Policy>
 void backward_kernel(const backward_problem& bp, const cfg& c) {
   using Acc = accum_t<T>;
@@ -488,7 +600,7 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   const std::int64_t W = plan.W, K = plan.K, V = plan.V, Kp = plan.Kp, Vp = plan.Vp, C = plan.C;
   const std::int64_t Ga = plan.Ga, Gb = plan.Gb, bk = plan.bk;
   const std::int64_t gq = p.H / p.Hq, gkh = p.H / p.Hk, gvh = p.H / p.Hv;
-  const std::int64_t nk = Gb / gkh, nv = Gb / gvh;
+  const std::int64_t nk = plan.nk, nv = plan.nv;
   const bool want_k = plan.want_k, want_v = plan.want_v, want_s = plan.want_s, want_gamma = plan.want_gamma;
   const bool want_any = want_k || want_v || want_s;
   constexpr int TR = RECATTN_CPU_BWD_TILE_ROWS, TV = RECATTN_CPU_BWD_TILE_REGS;
@@ -496,12 +608,16 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   // S^T, so there the scalar gates fold into the rows (b) and gk decays the columns (a).
   constexpr bool b_row = Policy::decay_k, b_col = Policy::decay_v;
   constexpr bool a_row = Policy::has_g || Policy::has_g_gamma || Policy::has_gv, a_col = Policy::has_gk;
+  constexpr bool b_decay = b_row || b_col, a_decay = a_row || a_col;
   const Acc scale = Acc(p.scale);
+  const Acc lo = d::rescale_bound<Acc>::lo, hi = d::rescale_bound<Acc>::hi;
 
   // All scratch is taken before anything is written.
   d::aligned_buffer<Acc> scratch_b(plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b) + 1);
   d::aligned_buffer<Acc> scratch_a(plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a) + 1);
   std::vector<double> consts(std::size_t(p.N * p.H * (K + V + 2)), 0.0);
+  const int max_threads = std::max(plan.threads_a, plan.threads_b);
+  std::vector<d::prefetch_queue> queues(std::size_t(max_threads), d::prefetch_queue(std::size_t(7 * C)));
   // Sweep B's lane partials of dk must be zero in the padding rows [K, Kp).
   std::fill_n(scratch_b.get(), plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b), Acc(0));
   std::fill_n(scratch_a.get(), plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a), Acc(0));
@@ -527,87 +643,136 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   };
 
   // ---- Sweep B: the adjoint, in reverse processing order. ----
+  // Chunk ci holds processing indices [i0, i0 + cl), staged in sweep order: position u is
+  // processing index i0 + cl - 1 - u. The decay applied at position u is that of the token
+  // processed just before (pendr, pendc: A_u = D_{u+1} .* dS_{u+1}); after the last one,
+  // d initial_state = D_0 .* dS_0.
   parallel_for(plan.items_b, plan.threads_b, [&](std::int64_t item, int worker) {
     const std::int64_t hb = (item % (p.H / Gb)) * Gb;
     const std::int64_t n = item / (p.H / Gb);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
     const std::int64_t bidx = seq.batch, L = seq.len;
-    Acc* base = scratch_b.get() + plan.per_b / sizeof(Acc) * std::size_t(worker);
-    Acc* Sall = base;
-    Acc* qs = Sall + Gb * K * Vp;
-    Acc* ks = qs + C * Kp;
-    Acc* drs = ks + C * Kp;
-    Acc* vs = drs + C * Kp;
-    Acc* dos = vs + C * Vp;
-    Acc* dcs = dos + C * Vp;
-    Acc* dkh = dcs + C * Vp;
-    Acc* dvh = dkh + C * Kp;
-    Acc* dkg = dvh + C * Vp;
-    Acc* dvg = dkg + nk * C * Kp;
-    Acc* kpart = dvg + nv * C * Vp;
-    double* run = reinterpret_cast<double*>(kpart + C * Kp * W);  // [Gb][K + V + 1] rounding carries
+    const d::sweep_b_buffers<Acc> sb(scratch_b.get() + plan.per_b / sizeof(Acc) * std::size_t(worker), W, Gb, K, V, Kp,
+                                     Vp, C, nk, nv);
+    d::prefetch_queue& pq = queues[std::size_t(worker)];
+    double* run = sb.run;  // [Gb][K + V + 1] rounding carries
     const std::int64_t rs = K + V + 1;
     for (std::int64_t i = 0; i < Gb * rs; ++i) run[i] = 0.0;
 
     for (std::int64_t hl = 0; hl < Gb; ++hl)
-      d::load_state<Acc>(p, bp.d_ht, n, hb + hl, false, K, 0, V, Sall + hl * K * Vp, Vp);
+      d::load_state<Acc>(p, bp.d_ht, n, hb + hl, false, K, 0, V, sb.S + hl * K * Vp, Vp);
+    if constexpr (b_row) std::fill_n(sb.runr, Gb * Kp, Acc(1)), std::fill_n(sb.pendr, Gb * Kp, Acc(1));
+    if constexpr (b_col) std::fill_n(sb.runc, Gb * Vp, Acc(1)), std::fill_n(sb.pendc, Gb * Vp, Acc(1));
+    const Acc* qt = b_row ? sb.q1 : sb.qs;
+    const Acc* kt = b_row ? sb.k2 : sb.ks;
+    const Acc* vt = b_col ? sb.v2 : sb.vs;
+    const Acc* dt = b_col ? sb.do1 : sb.dos;
+    const std::int64_t tiles = d::tile_count<Acc, TR, TV>(K, Vp);
 
     const std::int64_t nchunks = (L + C - 1) / C;
     for (std::int64_t ci = nchunks - 1; ci >= 0; --ci) {
       const std::int64_t i0 = ci * C, cl = std::min(C, L - i0);
-      std::fill_n(dkg, nk * C * Kp, Acc(0));
-      std::fill_n(dvg, nv * C * Vp, Acc(0));
+      std::fill_n(sb.dkg, nk * C * Kp, Acc(0));
+      std::fill_n(sb.dvg, nv * C * Vp, Acc(0));
       for (std::int64_t hl = 0; hl < Gb; ++hl) {
         const std::int64_t h = hb + hl;
         const Acc gamma = gamma_of(n, h);
-        for (std::int64_t l = 0; l < cl; ++l) {
-          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qs + l * Kp, scale);
-          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, ks + l * Kp);
-          for (std::int64_t a = K; a < Kp; ++a) qs[l * Kp + a] = ks[l * Kp + a] = Acc(0);
-          if constexpr (b_row) {
-            Acc* dr = drs + l * Kp;
-            Acc g0 = gamma;
-            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
-            if constexpr (Policy::has_gk) {
-              d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h)), p.gk.type, K, dr);
-              for (std::int64_t a = K; a < Kp; ++a) dr[a] = Acc(0);
-              d::exp_row(dr, Kp, g0);
-            } else {
-              const Acc e = std::exp(g0);
-              for (std::int64_t a = 0; a < Kp; ++a) dr[a] = e;
-            }
-          }
-          Acc* vr = vs + l * Vp;
-          Acc* dr = dos + l * Vp;
+        Acc* runr = sb.runr + hl * Kp;
+        Acc* pendr = sb.pendr + hl * Kp;
+        Acc* runc = sb.runc + hl * Vp;
+        Acc* pendc = sb.pendc + hl * Vp;
+        for (std::int64_t u = 0; u < cl; ++u) {
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
+          Acc* qr = sb.qs + u * Kp;
+          Acc* kr = sb.ks + u * Kp;
+          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qr, scale);
+          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, kr);
+          for (std::int64_t a = K; a < Kp; ++a) qr[a] = kr[a] = Acc(0);
+          Acc* vr = sb.vs + u * Vp;
+          Acc* dr = sb.dos + u * Vp;
           d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
           d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr);
           for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
+          if constexpr (b_row) {
+            Acc g0 = gamma;
+            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+            if constexpr (Policy::has_gk) {
+              d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h)), p.gk.type, K, sb.dr);
+              for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(0);
+              d::exp_row(sb.dr, Kp, g0);
+            } else {
+              const Acc e = std::exp(g0);
+              for (std::int64_t a = 0; a < K; ++a) sb.dr[a] = e;
+            }
+            for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(1);
+          }
           if constexpr (b_col) {
-            Acc* er = dcs + l * Vp;
-            d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, er);
-            for (std::int64_t j = V; j < Vp; ++j) er[j] = Acc(0);
-            d::exp_row(er, Vp, Acc(0));
+            d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sb.dc);
+            for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(0);
+            d::exp_row(sb.dc, Vp, Acc(0));
+            for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(1);
+          }
+          if constexpr (b_decay) {
+            bool start = false;
+            if constexpr (b_row) start = d::leaves_bound(runr, pendr, Kp, lo, hi);
+            if constexpr (b_col) start = d::leaves_bound(runc, pendc, Vp, lo, hi) || start;
+            sb.starts[u] = start ? Acc(1) : Acc(0);
+            if constexpr (b_row) {
+              d::advance_run(runr, pendr, Kp, start, sb.fr1 + u * Kp, sb.fr2 + u * Kp);
+              std::copy_n(sb.dr, Kp, pendr);
+              std::copy_n(runr, Kp, sb.rr + u * Kp);
+              d::scale_rows(runr, kr, sb.k2 + u * Kp, qr, sb.q1 + u * Kp, Kp);
+            }
+            if constexpr (b_col) {
+              d::advance_run(runc, pendc, Vp, start, sb.fc1 + u * Vp, sb.fc2 + u * Vp);
+              std::copy_n(sb.dc, Vp, pendc);
+              std::copy_n(runc, Vp, sb.rc + u * Vp);
+              d::scale_rows(runc, vr, sb.v2 + u * Vp, dr, sb.do1 + u * Vp, Vp);
+            }
           }
         }
-        if (ci > 0)
-          for (std::int64_t l = 0; l < C; ++l) {
-            const std::int64_t t = seq.template token<Policy::reverse>(i0 - C + l);
-            d::prefetch(qd + p.q.offset(bidx, t, h / gq), K, sizeof(T));
-            d::prefetch(kd + p.k.offset(bidx, t, h / gkh), K, sizeof(T));
-            d::prefetch(vd + p.v.offset(bidx, t, h / gvh), V, sizeof(T));
-            d::prefetch(dod + bp.d_out.offset(bidx, t, h), V, sizeof(T));
-            if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h)), K, dtype_size(p.gk.type));
-            if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
+        // The rows the next staging reads (the chunk before, or the next head), spread over
+        // this head's register tiles.
+        pq.clear();
+        {
+          const bool last_head = hl + 1 == Gb;
+          const std::int64_t nh = last_head ? hb : h + 1;
+          const std::int64_t nci = last_head ? ci - 1 : ci;
+          if (nci >= 0) {
+            const std::int64_t ni0 = nci * C, ncl = std::min(C, L - ni0);
+            for (std::int64_t u = 0; u < ncl; ++u) {
+              const std::int64_t t = seq.template token<Policy::reverse>(ni0 + ncl - 1 - u);
+              pq.add(qd + p.q.offset(bidx, t, nh / gq), std::size_t(K) * sizeof(T));
+              pq.add(kd + p.k.offset(bidx, t, nh / gkh), std::size_t(K) * sizeof(T));
+              pq.add(vd + p.v.offset(bidx, t, nh / gvh), std::size_t(V) * sizeof(T));
+              pq.add(dod + bp.d_out.offset(bidx, t, nh), std::size_t(V) * sizeof(T));
+              if constexpr (Policy::has_gk) pq.add(gate_row(p.gk, p.gk.offset(bidx, t, nh)), std::size_t(K) * dtype_size(p.gk.type));
+              if constexpr (Policy::has_gv) pq.add(gate_row(p.gv, p.gv.offset(bidx, t, nh)), std::size_t(V) * dtype_size(p.gv.type));
+            }
           }
-        std::fill_n(dvh, cl * Vp, Acc(0));
-        Acc* S = Sall + hl * K * Vp;
-        d::for_each_tile<Acc, TR, TV>(K, Vp, [&](auto r, auto nvr, std::int64_t a, std::int64_t j0) {
-          d::adjoint_tile<Acc, b_row, b_col, decltype(r)::value, decltype(nvr)::value>(
-              cl, qs + a, ks + a, drs + a, Kp, vs + j0, dos + j0, dcs + j0, Vp, S + a * Vp + j0, Vp, dvh + j0,
-              kpart + a * W, j0 == 0);
+        }
+        const std::int64_t per_tile = (pq.lines + tiles - 1) / tiles + 1;
+        std::fill_n(sb.dvh, cl * Vp, Acc(0));
+        Acc* S = sb.S + hl * K * Vp;
+        d::for_each_segment<b_decay>(sb.starts, cl, [&](std::int64_t u0, std::int64_t u1, bool start) {
+          d::segment_factors<Acc> f;
+          if (start) {
+            if (b_row) f.r1 = sb.fr1 + u0 * Kp, f.r2 = sb.fr2 + u0 * Kp;
+            if (b_col) f.c1 = sb.fc1 + u0 * Vp, f.c2 = sb.fc2 + u0 * Vp;
+          }
+          d::for_each_tile<Acc, TR, TV>(K, Vp, [&](auto r, auto nvr, std::int64_t a, std::int64_t j0) {
+            pq.issue(per_tile);
+            d::adjoint_tile<Acc, decltype(r)::value, decltype(nvr)::value>(
+                u1 - u0, qt + u0 * Kp + a, kt + u0 * Kp + a, Kp, vt + u0 * Vp + j0, dt + u0 * Vp + j0, Vp,
+                S + a * Vp + j0, Vp, sb.dvh + u0 * Vp + j0, sb.kpart + (u0 * Kp + a) * W, j0 == 0, f.at(a, j0));
+          });
         });
-        d::reduce_lanes(cl, Kp, kpart, dkh, Kp);
+        pq.issue_all();
+        d::reduce_lanes(cl, Kp, sb.kpart, sb.dkh, Kp);
+        if constexpr (b_row)
+          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dkh + u * Kp, sb.rr + u * Kp, Kp);
+        if constexpr (b_col)
+          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dvh + u * Vp, sb.rc + u * Vp, Vp);
 
         // Per token: the gate terms k .* dk' and v .* dv' go to sweep A through the gate
         // gradients' own buffers; dk and dv get the token's own output term and are summed
@@ -615,14 +780,14 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         double* cK = run + hl * rs;
         double* cV = cK + K;
         double* cS = cV + V;
-        for (std::int64_t l = cl - 1; l >= 0; --l) {
-          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          const Acc* qr = qs + l * Kp;
-          const Acc* kr = ks + l * Kp;
-          const Acc* vr = vs + l * Vp;
-          const Acc* dr = dos + l * Vp;
-          const Acc* dk = dkh + l * Kp;
-          const Acc* dv = dvh + l * Vp;
+        for (std::int64_t u = 0; u < cl; ++u) {
+          const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
+          const Acc* qr = sb.qs + u * Kp;
+          const Acc* kr = sb.ks + u * Kp;
+          const Acc* vr = sb.vs + u * Vp;
+          const Acc* dr = sb.dos + u * Vp;
+          const Acc* dk = sb.dkh + u * Kp;
+          const Acc* dv = sb.dvh + u * Vp;
           if constexpr (Policy::has_gk)
             if (want_k)
               d::with_gate_row(dgk_out, bp.dgk.type, bp.dgk.offset(bidx, t, h),
@@ -633,27 +798,32 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
                                [&](auto* row) { d::feed_row(row, vr, dv, V, cV); });
           if (want_s) d::store_fed(dg_out, bp.dg.type, bp.dg.offset(bidx, t, h), d::dot_double(kr, dk, K), cS[0]);
           const Acc vdo = d::dot_padded(vr, dr, Vp), qk = d::dot_padded(qr, kr, Kp);
-          Acc* gk = dkg + (hl / gkh) * C * Kp + l * Kp;
-          Acc* gv = dvg + (hl / gvh) * C * Vp + l * Vp;
+          Acc* gk = sb.dkg + (hl / gkh) * C * Kp + u * Kp;
+          Acc* gv = sb.dvg + (hl / gvh) * C * Vp + u * Vp;
           for (std::int64_t a = 0; a < K; ++a) gk[a] += dk[a] + qr[a] * vdo;
           for (std::int64_t j = 0; j < V; ++j) gv[j] += dv[j] + dr[j] * qk;
         }
       }
-      for (std::int64_t l = 0; l < cl; ++l) {
-        const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+      for (std::int64_t u = 0; u < cl; ++u) {
+        const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
         for (std::int64_t x = 0; x < nk; ++x)
-          d::store_row(dkg + x * C * Kp + l * Kp, K,
+          d::store_row(sb.dkg + x * C * Kp + u * Kp, K,
                        static_cast<T*>(backward_problem::data(bp.dk)) + bp.dk.offset(bidx, t, hb / gkh + x));
         for (std::int64_t x = 0; x < nv; ++x)
-          d::store_row(dvg + x * C * Vp + l * Vp, V,
+          d::store_row(sb.dvg + x * C * Vp + u * Vp, V,
                        static_cast<T*>(backward_problem::data(bp.dv)) + bp.dv.offset(bidx, t, hb / gvh + x));
       }
     }
 
-    // d initial_state = the adjoint now; the constants of sweep A's gate gradients.
+    // d initial_state = D_0 .* dS_0 = D_0 .* P .* dS' (two plain multiplies, as the direct
+    // recurrence would); the constants of sweep A's gate gradients.
     for (std::int64_t hl = 0; hl < Gb; ++hl) {
       const std::int64_t h = hb + hl;
-      const Acc* S = Sall + hl * K * Vp;
+      Acc* S = sb.S + hl * K * Vp;
+      if constexpr (b_decay) {
+        d::unscale_state<Acc>(S, K, Vp, b_row ? sb.runr + hl * Kp : nullptr, b_col ? sb.runc + hl * Vp : nullptr);
+        d::unscale_state<Acc>(S, K, Vp, b_row ? sb.pendr + hl * Kp : nullptr, b_col ? sb.pendc + hl * Vp : nullptr);
+      }
       if (bp.dh0.data) {
         Acc* dst = static_cast<Acc*>(backward_problem::data(bp.dh0));
         for (std::int64_t a = 0; a < K; ++a)
@@ -689,91 +859,123 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
     const std::int64_t a0 = kb * bk, w = std::min(bk, K - a0), wp = d::round_up(w, W);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
     const std::int64_t bidx = seq.batch, L = seq.len;
-    const std::int64_t nr = want_gamma ? 1 : 0;
-    Acc* base = scratch_a.get() + plan.per_a / sizeof(Acc) * std::size_t(worker);
-    Acc* Sall = base;                      // [Ga][V][wp]
-    Acc* Rall = Sall + Ga * V * bk;        // [Ga][V][wp] tangents d S^T / d g_gamma
-    Acc* dos = Rall + nr * Ga * V * bk;
-    Acc* vs = dos + C * Vp;
-    Acc* drs = vs + C * Vp;
-    Acc* ks = drs + C * Vp;
-    Acc* qs = ks + C * bk;
-    Acc* dcs = qs + C * bk;
-    Acc* dqh = dcs + C * bk;
-    Acc* dqg = dqh + C * bk;
-    Acc* rqh = dqg + C * bk;
-    Acc* oh = rqh + nr * C * bk;
-    Acc* opart = oh + C * Vp;
-    double* run = reinterpret_cast<double*>(opart + C * Vp * W);  // [Ga][w + V + 2]
+    const std::int64_t nr = plan.nr;
+    const d::sweep_a_buffers<Acc> sa(scratch_a.get() + plan.per_a / sizeof(Acc) * std::size_t(worker), W, Ga, V, Vp, bk,
+                                     C, nr);
+    d::prefetch_queue& pq = queues[std::size_t(worker)];
+    double* run = sa.run;  // [Ga][w + V + 2]
     const std::int64_t rs = bk + V + 2;
     for (std::int64_t i = 0; i < Ga * rs; ++i) run[i] = 0.0;
     for (std::int64_t hl = 0; hl < Ga; ++hl)
-      d::load_state<Acc>(p, p.h0, n, hb + hl, true, V, a0, w, Sall + hl * V * wp, wp);
-    std::fill_n(Rall, nr * Ga * V * bk, Acc(0));
+      d::load_state<Acc>(p, p.h0, n, hb + hl, true, V, a0, w, sa.S + hl * V * wp, wp);
+    std::fill_n(sa.Rt, nr * Ga * V * bk, Acc(0));
+    if constexpr (a_row) std::fill_n(sa.runr, Ga * Vp, Acc(1));
+    if constexpr (a_col) std::fill_n(sa.runc, Ga * bk, Acc(1));
+    const Acc* dt = a_row ? sa.do2 : sa.dos;
+    const Acc* vt = a_row ? sa.v1 : sa.vs;
+    const Acc* kt = a_col ? sa.k1 : sa.ks;
+    const Acc* qt = a_col ? sa.q2 : sa.qs;
 
     for (std::int64_t i0 = 0; i0 < L; i0 += C) {
       const std::int64_t cl = std::min(C, L - i0);
-      std::fill_n(dqg, cl * wp, Acc(0));
+      std::fill_n(sa.dqg, cl * wp, Acc(0));
       for (std::int64_t hl = 0; hl < Ga; ++hl) {
         const std::int64_t h = hb + hl;
         const Acc gamma = gamma_of(n, h);
+        Acc* runr = sa.runr + hl * Vp;
+        Acc* runc = sa.runc + hl * bk;
         for (std::int64_t l = 0; l < cl; ++l) {
           const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          Acc* dr = dos + l * Vp;
-          Acc* vr = vs + l * Vp;
+          Acc* dr = sa.dos + l * Vp;
+          Acc* vr = sa.vs + l * Vp;
           d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr, scale);
           d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
           for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
-          if constexpr (a_row) {
-            Acc* er = drs + l * Vp;
-            Acc g0 = gamma;
-            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
-            if constexpr (Policy::has_gv) {
-              d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, er);
-              for (std::int64_t j = V; j < Vp; ++j) er[j] = Acc(0);
-              d::exp_row(er, Vp, g0);
-            } else {
-              const Acc e = std::exp(g0);
-              for (std::int64_t j = 0; j < Vp; ++j) er[j] = e;
-            }
-          }
-          Acc* kr = ks + l * wp;
-          Acc* qr = qs + l * wp;
+          Acc* kr = sa.ks + l * wp;
+          Acc* qr = sa.qs + l * wp;
           d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh) + a0, p.type, w, kr);
           d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq) + a0, p.type, w, qr);
           for (std::int64_t j = w; j < wp; ++j) kr[j] = qr[j] = Acc(0);
+          if constexpr (a_row) {
+            Acc g0 = gamma;
+            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+            if constexpr (Policy::has_gv) {
+              d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sa.er);
+              for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(0);
+              d::exp_row(sa.er, Vp, g0);
+            } else {
+              const Acc e = std::exp(g0);
+              for (std::int64_t j = 0; j < V; ++j) sa.er[j] = e;
+            }
+            for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(1);
+          }
           if constexpr (a_col) {
-            Acc* er = dcs + l * wp;
-            d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), p.gk.type, w, er);
-            for (std::int64_t j = w; j < wp; ++j) er[j] = Acc(0);
-            d::exp_row(er, wp, Acc(0));
+            d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), p.gk.type, w, sa.ec);
+            for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(0);
+            d::exp_row(sa.ec, wp, Acc(0));
+            for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(1);
+          }
+          if constexpr (a_decay) {
+            bool start = false;
+            if constexpr (a_row) start = d::leaves_bound(runr, sa.er, Vp, lo, hi);
+            if constexpr (a_col) start = d::leaves_bound(runc, sa.ec, wp, lo, hi) || start;
+            sa.starts[l] = start ? Acc(1) : Acc(0);
+            if constexpr (a_row) {
+              d::advance_run(runr, sa.er, Vp, start, sa.fr1 + l * Vp, sa.fr2 + l * Vp);
+              std::copy_n(runr, Vp, sa.cr + l * Vp);
+              d::scale_rows(runr, dr, sa.do2 + l * Vp, vr, sa.v1 + l * Vp, Vp);
+            }
+            if constexpr (a_col) {
+              d::advance_run(runc, sa.ec, wp, start, sa.fc1 + l * wp, sa.fc2 + l * wp);
+              std::copy_n(runc, wp, sa.cc + l * wp);
+              d::scale_rows(runc, qr, plan.need_o ? sa.q2 + l * wp : nullptr, kr, sa.k1 + l * wp, wp);
+            }
           }
         }
-        if (i0 + C < L)
-          for (std::int64_t l = 0; l < std::min(C, L - i0 - C); ++l) {
-            const std::int64_t t = seq.template token<Policy::reverse>(i0 + C + l);
-            d::prefetch(dod + bp.d_out.offset(bidx, t, h), V, sizeof(T));
-            d::prefetch(vd + p.v.offset(bidx, t, h / gvh), V, sizeof(T));
-            d::prefetch(kd + p.k.offset(bidx, t, h / gkh) + a0, w, sizeof(T));
-            d::prefetch(qd + p.q.offset(bidx, t, h / gq) + a0, w, sizeof(T));
-            if constexpr (Policy::has_gk) d::prefetch(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), w, dtype_size(p.gk.type));
-            if constexpr (Policy::has_gv) d::prefetch(gate_row(p.gv, p.gv.offset(bidx, t, h)), V, dtype_size(p.gv.type));
-            if (want_k) d::prefetch(gate_row(bp.dgk, bp.dgk.offset(bidx, t, h) + a0), w, dtype_size(bp.dgk.type));
+        // The rows the next staging reads (the next head, or the next chunk), spread over
+        // this head's register tiles.
+        pq.clear();
+        {
+          const bool last_head = hl + 1 == Ga;
+          const std::int64_t nh = last_head ? hb : h + 1;
+          const std::int64_t ni0 = last_head ? i0 + C : i0;
+          for (std::int64_t l = 0; l < std::min(C, L - ni0); ++l) {
+            const std::int64_t t = seq.template token<Policy::reverse>(ni0 + l);
+            pq.add(dod + bp.d_out.offset(bidx, t, nh), std::size_t(V) * sizeof(T));
+            pq.add(vd + p.v.offset(bidx, t, nh / gvh), std::size_t(V) * sizeof(T));
+            pq.add(kd + p.k.offset(bidx, t, nh / gkh) + a0, std::size_t(w) * sizeof(T));
+            pq.add(qd + p.q.offset(bidx, t, nh / gq) + a0, std::size_t(w) * sizeof(T));
+            if constexpr (Policy::has_gk) pq.add(gate_row(p.gk, p.gk.offset(bidx, t, nh) + a0), std::size_t(w) * dtype_size(p.gk.type));
+            if constexpr (Policy::has_gv) pq.add(gate_row(p.gv, p.gv.offset(bidx, t, nh)), std::size_t(V) * dtype_size(p.gv.type));
+            if (want_k) pq.add(gate_row(bp.dgk, bp.dgk.offset(bidx, t, nh) + a0), std::size_t(w) * dtype_size(bp.dgk.type));
           }
-        std::fill_n(dqh, cl * wp, Acc(0));
-        if (want_gamma) std::fill_n(rqh, cl * wp, Acc(0));
-        Acc* S = Sall + hl * V * wp;
-        Acc* Rt = Rall + nr * hl * V * wp;
+        }
+        std::fill_n(sa.dqh, cl * wp, Acc(0));
+        if (want_gamma) std::fill_n(sa.rqh, cl * wp, Acc(0));
+        Acc* S = sa.S + hl * V * wp;
+        Acc* Rt = sa.Rt + nr * hl * V * wp;
         auto sweep = [&](auto need_o, auto need_r) {
           constexpr bool NO = decltype(need_o)::value, NR = decltype(need_r)::value;
           // The tangent doubles the state registers: half as many columns per tile then.
           constexpr int NVt = NR && TV > 1 ? TV / 2 : TV;
-          d::for_each_tile<Acc, TR, NVt>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
-            d::state_tile<Acc, a_row, a_col, NO, NR, decltype(r)::value, decltype(nvr)::value>(
-                cl, dos + b, vs + b, drs + b, Vp, ks + j0, qs + j0, dcs + j0, wp, S + b * wp + j0, Rt + b * wp + j0, wp,
-                dqh + j0, rqh + j0, opart + b * W, j0 == 0);
+          const std::int64_t tiles = d::tile_count<Acc, TR, NVt>(V, wp);
+          const std::int64_t per_tile = (pq.lines + tiles - 1) / tiles + 1;
+          d::for_each_segment<a_decay>(sa.starts, cl, [&](std::int64_t l0, std::int64_t l1, bool start) {
+            d::segment_factors<Acc> f;
+            if (start) {
+              if (a_row) f.r1 = sa.fr1 + l0 * Vp, f.r2 = sa.fr2 + l0 * Vp;
+              if (a_col) f.c1 = sa.fc1 + l0 * wp, f.c2 = sa.fc2 + l0 * wp;
+            }
+            d::for_each_tile<Acc, TR, NVt>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
+              pq.issue(per_tile);
+              d::state_tile<Acc, NO, NR, decltype(r)::value, decltype(nvr)::value>(
+                  l1 - l0, dt + l0 * Vp + b, vt + l0 * Vp + b, Vp, kt + l0 * wp + j0, qt + l0 * wp + j0, wp,
+                  S + b * wp + j0, Rt + b * wp + j0, wp, sa.dqh + l0 * wp + j0, sa.rqh + l0 * wp + j0,
+                  sa.opart + (l0 * Vp + b) * W, j0 == 0, f.at(b, j0));
+            });
           });
-          if constexpr (NO) d::reduce_lanes(cl, Vp, opart, oh, Vp);
+          pq.issue_all();
+          if constexpr (NO) d::reduce_lanes(cl, Vp, sa.opart, sa.oh, Vp);
         };
         auto sweep_o = [&](auto need_r) {
           if (plan.need_o) sweep(std::true_type{}, need_r);
@@ -785,6 +987,14 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         } else {
           sweep_o(std::false_type{});
         }
+        if constexpr (a_col)
+          for (std::int64_t l = 0; l < cl; ++l) {
+            d::mul_row(sa.dqh + l * wp, sa.cc + l * wp, wp);
+            if (want_gamma) d::mul_row(sa.rqh + l * wp, sa.cc + l * wp, wp);
+          }
+        if constexpr (a_row)
+          if (plan.need_o)
+            for (std::int64_t l = 0; l < cl; ++l) d::mul_row(sa.oh + l * Vp, sa.cr + l * Vp, Vp);
 
         // Per token: the final gate gradients (sweep B's stored terms, read before they are
         // overwritten, minus this sweep's, summed over the tokens before), the tangent's
@@ -795,11 +1005,11 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         const double* cs = cst(n, h);
         for (std::int64_t l = 0; l < cl; ++l) {
           const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          const Acc* qr = qs + l * wp;
-          const Acc* kr = ks + l * wp;
-          const Acc* vr = vs + l * Vp;
-          const Acc* dr = dos + l * Vp;
-          const Acc* dq = dqh + l * wp;
+          const Acc* qr = sa.qs + l * wp;
+          const Acc* kr = sa.ks + l * wp;
+          const Acc* vr = sa.vs + l * Vp;
+          const Acc* dr = sa.dos + l * Vp;
+          const Acc* dq = sa.dqh + l * wp;
           if constexpr (Policy::has_gk)
             if (want_k)
               d::with_gate_row(dgk_out, bp.dgk.type, bp.dgk.offset(bidx, t, h) + a0,
@@ -807,31 +1017,34 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           if constexpr (Policy::has_gv)
             if (want_v)
               d::with_gate_row(dgv_out, bp.dgv.type, bp.dgv.offset(bidx, t, h),
-                               [&](auto* row) { d::drain_row(row, cs + K, pV, oh + l * Vp, dr, V); });
+                               [&](auto* row) { d::drain_row(row, cs + K, pV, sa.oh + l * Vp, dr, V); });
           if (want_s) {
             const std::int64_t off = bp.dg.offset(bidx, t, h);
             const double fed = load_as<double>(dg_out, bp.dg.type, off);
             store_as(dg_out, bp.dg.type, off, cs[K + V] + pS[0]);
             pS[0] += fed - d::dot_double(qr, dq, w);
           }
-          if (want_gamma) pS[1] += d::dot_double(qr, rqh + l * wp, w);
+          if (want_gamma) pS[1] += d::dot_double(qr, sa.rqh + l * wp, w);
           const Acc vdo = d::dot_padded(vr, dr, Vp);
-          Acc* g = dqg + l * wp;
+          Acc* g = sa.dqg + l * wp;
           for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a] + kr[a] * vdo;
         }
       }
       for (std::int64_t l = 0; l < cl; ++l) {
         const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-        d::store_row(dqg + l * wp, w, static_cast<T*>(backward_problem::data(bp.dq)) + bp.dq.offset(bidx, t, hb / gq) + a0);
+        d::store_row(sa.dqg + l * wp, w, static_cast<T*>(backward_problem::data(bp.dq)) + bp.dq.offset(bidx, t, hb / gq) + a0);
       }
     }
     if (want_gamma)
       for (std::int64_t hl = 0; hl < Ga; ++hl) {
         const std::int64_t h = hb + hl;
-        // dg_gamma = sum_i scale q_i^T R_i dO_i + <d final_state, R_{L-1}> (bk = Kp here).
+        // dg_gamma = sum_i scale q_i^T R_i dO_i + <d final_state, R_{L-1}> (bk = Kp here),
+        // R_{L-1} = P .* R'.
         double g = run[hl * rs + bk + V + 1];
         if (bp.d_ht.data) {
-          const Acc* R = Rall + hl * V * wp;
+          Acc* R = sa.Rt + hl * V * wp;
+          if constexpr (a_decay)
+            d::unscale_state<Acc>(R, V, wp, a_row ? sa.runr + hl * Vp : nullptr, a_col ? sa.runc + hl * bk : nullptr);
           const Acc* dht = static_cast<const Acc*>(bp.d_ht.data);
           for (std::int64_t b = 0; b < V; ++b)
             for (std::int64_t a = 0; a < w; ++a)
