@@ -3,9 +3,11 @@
 // with CUDA events and reports the mean per call (manual time); run with
 // --benchmark_repetitions=N to get medians.
 //
-//   cuda_forward/<gate>/<dtype>/B:../T:../H:../K:../V:..       dense
-//   cuda_forward/<gate>/<dtype>/varlen:N/T:../H:../K:../V:..   N sequences, T tokens in all
+//   cuda_forward/<algo>/<gate>/<dtype>/B:../T:../H:../K:../V:..       dense
+//   cuda_forward/<algo>/<gate>/<dtype>/varlen:N/T:../H:../K:../V:..   N sequences, T tokens in all
 //   --tune: instead, every candidate cfg of each case (cuda_forward_tune/...)
+// <algo> is the kernel the cfg forces (cfg.algo): recurrent (issue 5) or chunked (issue 8,
+// phase 1: gates none, g, g_gamma). The label is the resolved cfg.
 //
 // Counters: ms per call, tok_heads_per_s (tokens x heads per second), GB/s (the bytes a call
 // must move through HBM: q, k, v and gates read, o written, initial state read, final state
@@ -83,6 +85,7 @@ struct bench_case {
   std::int64_t B, T, H, K, V;
   int varlen_seqs = 0;  // > 0: B = 1, T tokens split into this many equal sequences
   bool initial_state = false;
+  recattn::algorithm algo = recattn::algorithm::recurrent;
 };
 
 unsigned gate_mask(const std::string& g) {
@@ -168,6 +171,11 @@ struct prepared {
 
 void run_bench(benchmark::State& state, const bench_case& bc, std::optional<recattn::cfg> cfg) {
   prepared pr(bc, dtype::bfloat16);
+  if (!cfg) {
+    recattn::cfg c;
+    c.algo = bc.algo;
+    cfg = c;
+  }
   pr.opt.cfg = cfg;
   for (int i = 0; i < 3; ++i) pr.call();  // warm-up: module load, first-touch
   ok(cudaDeviceSynchronize(), "warm-up");
@@ -200,15 +208,13 @@ void run_bench(benchmark::State& state, const bench_case& bc, std::optional<reca
   state.counters["ms"] = ms;
   state.counters["tok_heads_per_s"] = double(bc.B * bc.T * bc.H) / (ms / 1e3);
   state.counters["GB/s"] = pr.bytes / (ms / 1e3) / 1e9;
-  const recattn::cfg c = recattn::RecurrentAttention(recattn::platform::cuda).heuristic_cfg(pr.problem());
-  const recattn::cfg used = cfg ? *cfg : c;
-  state.SetLabel("num_warps=" + std::to_string(used.num_warps) + " chunk=" + std::to_string(used.chunk));
+  state.SetLabel(recattn::cuda::resolve_cfg(pr.problem(), cfg).str());
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }
 
 std::string case_name(const bench_case& c) {
-  std::string s = "cuda_forward/" + c.gate + "/bf16/";
+  std::string s = std::string("cuda_forward/") + recattn::algorithm_name(c.algo) + "/" + c.gate + "/bf16/";
   if (c.varlen_seqs) s += "varlen:" + std::to_string(c.varlen_seqs) + "/T:" + std::to_string(c.T);
   else s += "B:" + std::to_string(c.B) + "/T:" + std::to_string(c.T);
   s += "/H:" + std::to_string(c.H) + "/K:" + std::to_string(c.K) + "/V:" + std::to_string(c.V);
@@ -217,11 +223,28 @@ std::string case_name(const bench_case& c) {
 }
 
 const std::vector<bench_case>& cases() {
-  static const std::vector<bench_case> all = {
-      {"none", 4, 4096, 16, 128, 128},     {"g", 4, 4096, 16, 128, 128},  {"g_gamma", 4, 4096, 16, 128, 128},
-      {"gk", 4, 4096, 16, 128, 128},       {"gv", 4, 4096, 16, 128, 128}, {"gk", 8, 2048, 32, 64, 64},
-      {"gk", 1, 16384, 8, 128, 128},       {"gk", 1, 16384, 16, 128, 128, 8, true},
-  };
+  // Issue 5's rows (recurrent), then issue 8's shapes for the chunked kernel with the gates
+  // it takes (none, g, g_gamma; gk rows are phase 2) and the recurrent kernel beside them.
+  static const std::vector<bench_case> all = [] {
+    std::vector<bench_case> v = {
+        {"none", 4, 4096, 16, 128, 128},     {"g", 4, 4096, 16, 128, 128},  {"g_gamma", 4, 4096, 16, 128, 128},
+        {"gk", 4, 4096, 16, 128, 128},       {"gv", 4, 4096, 16, 128, 128}, {"gk", 8, 2048, 32, 64, 64},
+        {"gk", 1, 16384, 8, 128, 128},       {"gk", 1, 16384, 16, 128, 128, 8, true},
+    };
+    const bench_case shapes[] = {{"g", 8, 2048, 32, 64, 64}, {"g", 1, 16384, 8, 128, 128},
+                                 {"g", 1, 16384, 16, 128, 128, 8, true}};
+    for (const bench_case& c : shapes) v.push_back(c);  // recurrent, for the side-by-side
+    for (const char* g : {"none", "g", "g_gamma"}) {
+      bench_case c{g, 4, 4096, 16, 128, 128};
+      c.algo = recattn::algorithm::chunked;
+      v.push_back(c);
+    }
+    for (bench_case c : shapes) {
+      c.algo = recattn::algorithm::chunked;
+      v.push_back(c);
+    }
+    return v;
+  }();
   return all;
 }
 
@@ -246,8 +269,10 @@ int main(int argc, char** argv) {
     prepared probe(c, dtype::bfloat16);
     const auto cands = recattn::RecurrentAttention(recattn::platform::cuda).candidate_cfgs(probe.problem());
     for (const recattn::cfg& cf : cands) {
+      if (c.algo != cf.algo) continue;  // each case row times its own kernel's candidates
       const std::string name = "cuda_forward_tune/" + case_name(c).substr(13) + "/num_warps:" +
-                               std::to_string(cf.num_warps) + "/chunk:" + std::to_string(cf.chunk);
+                               std::to_string(cf.num_warps) + "/chunk:" + std::to_string(cf.chunk) +
+                               "/block_v:" + std::to_string(cf.block_v);
       benchmark::RegisterBenchmark(name.c_str(), [c, cf](benchmark::State& s) { run_bench(s, c, cf); })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)

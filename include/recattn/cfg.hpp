@@ -23,6 +23,20 @@ inline const char* platform_name(platform p) {
 /// Memory layout of one (sequence, head) state: `kv` is S[K][V] (SPEC default), `vk` S^T.
 enum class state_layout { kv, vk };
 
+/// How the CUDA forward computes: the token-by-token scan (`recurrent`, every backend) or
+/// chunks of cfg.chunk tokens on tensor cores (`chunked`, CUDA; bfloat16 and half inputs,
+/// gates g and g_gamma in this version). `automatic` lets the backend choose.
+enum class algorithm { automatic, recurrent, chunked };
+
+inline const char* algorithm_name(algorithm a) {
+  switch (a) {
+    case algorithm::automatic: return "automatic";
+    case algorithm::recurrent: return "recurrent";
+    case algorithm::chunked: return "chunked";
+  }
+  return "?";
+}
+
 /// Tuning knobs. Zero means "heuristic choice"; `heuristic_cfg(problem)` fills them in.
 struct cfg {
   int threads = 0;   ///< CPU worker threads (0: all hardware threads)
@@ -30,16 +44,20 @@ struct cfg {
   int chunk = 0;     ///< CPU: tokens staged (converted, gates exponentiated) at once
   int block_k = 0;   ///< CUDA: key rows per thread group
   int num_warps = 0; ///< CUDA: warps per block
+  /// CUDA: recurrent or chunked (automatic: the backend's choice). With `automatic`, a cfg
+  /// that sets block_v, chunk, block_k or num_warps is read as a recurrent cfg (the meaning
+  /// those fields had before this field existed).
+  algorithm algo = algorithm::automatic;
 
   friend bool operator==(const cfg& a, const cfg& b) {
     return a.threads == b.threads && a.block_v == b.block_v && a.chunk == b.chunk && a.block_k == b.block_k &&
-           a.num_warps == b.num_warps;
+           a.num_warps == b.num_warps && a.algo == b.algo;
   }
   friend bool operator!=(const cfg& a, const cfg& b) { return !(a == b); }
   std::string str() const {
     return "threads=" + std::to_string(threads) + " block_v=" + std::to_string(block_v) +
            " chunk=" + std::to_string(chunk) + " block_k=" + std::to_string(block_k) +
-           " num_warps=" + std::to_string(num_warps);
+           " num_warps=" + std::to_string(num_warps) + " algo=" + algorithm_name(algo);
   }
 };
 

@@ -276,6 +276,9 @@ inline cfg cpu_resolve_cfg(const problem& p, const std::optional<cfg>& user) {
   cfg h = cpu_heuristic_cfg(p);
   if (!user) return h;
   cfg c = *user;
+  if (c.algo == algorithm::chunked)
+    recattn::detail::fail("cfg.algorithm", "automatic or recurrent on platform cpu (the chunked algorithm is CUDA only)",
+                          algorithm_name(c.algo));
   if (c.threads < 0) recattn::detail::fail("cfg.threads", "a value >= 0 (0: all hardware threads)", c.threads);
   if (c.block_v < 0) recattn::detail::fail("cfg.block_v", "a value >= 0 (0: heuristic)", c.block_v);
   if (c.chunk < 0) recattn::detail::fail("cfg.chunk", "a value >= 0 (0: heuristic)", c.chunk);

@@ -1,5 +1,6 @@
 // The CUDA backend of the forward operation: configuration (heuristic, candidates,
-// checks), argument packing and the launch. Reached from recattn.hpp through
+// checks; the choice between the recurrent kernel of recurrence.cuh and the chunked one of
+// chunked.cuh), argument packing and the launch. Reached from recattn.hpp through
 // detail::dispatch_forward, like the CPU backend; only compiled by nvcc.
 #pragma once
 
@@ -16,6 +17,7 @@
 #include "../problem.hpp"
 #include "common.cuh"
 #include "recurrence.cuh"
+#include "chunked.cuh"
 
 namespace recattn::cuda {
 
@@ -79,7 +81,7 @@ inline void check_sizes(const problem& p) {
 /// the longest chunk that fits (fewer barriers). Measured on an H200 (bench/CUDA_RESULTS.md):
 /// 8 warps beat 4 warps at twice the blocks on every case of issue 5, by 1.3x to 2x, and
 /// chunks of 32 or 64 tokens beat 16 with 8 warps.
-inline cfg heuristic_cfg(const problem& p) {
+inline cfg recurrent_heuristic_cfg(const problem& p) {
   detail::check_sizes(p);
   const std::int64_t groups = (p.V + columns_per_warp - 1) / columns_per_warp;  // warps per head
   const int nw = int(std::min<std::int64_t>(8, detail::ceil_pow2(groups)));
@@ -88,17 +90,123 @@ inline cfg heuristic_cfg(const problem& p) {
   c.block_v = nw * columns_per_warp;
   c.block_k = 16 * detail::rows_per_lane(p.K, p.type);
   c.chunk = detail::fit_chunk(p, nw, nw >= 4 ? 64 : 16);
+  c.algo = algorithm::recurrent;
+  return c;
+}
+
+namespace detail {
+
+/// Why the chunked kernel cannot take p (null: it can).
+inline const char* chunked_unsupported(const problem& p) {
+  if (p.has(gate_gk) || p.has(gate_gv))
+    return "recurrent for gk/gv (the chunked kernel takes g and g_gamma in this version)";
+  if (p.type == dtype::float64) return "recurrent for float64 inputs (the chunked kernel takes bfloat16 and float16)";
+  if (p.type == dtype::float32)
+    return "recurrent for float32 inputs (the chunked kernel takes bfloat16 and float16: tensor-core products in tf32 "
+           "or bfloat16 cannot meet SPEC 6's 1e-4 for float)";
+  return nullptr;
+}
+
+/// Tokens per sequence from which the chunked kernel is the automatic choice.
+inline constexpr std::int64_t chunked_min_tokens = 256;
+
+inline bool chunked_pays(const problem& p) {
+  const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
+  return per_seq >= chunked_min_tokens;
+}
+
+inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) { return make_chunked_layout(p.K, bv, chunk).bytes; }
+
+/// Value columns of a chunked block: the fewest 16-column tiles that hold V, up to 64, halved
+/// while the blocks do not fill the multiprocessors once.
+inline int chunked_block_v(const problem& p) {
+  int bv = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
+  const std::int64_t sms = sm_count();
+  while (bv > 16 && p.N * p.H * ((p.V + bv - 1) / bv) < sms) bv /= 2;
+  return bv;
+}
+
+}  // namespace detail
+
+/// The chunked kernel's default: chunks of 64 tokens, 4 warps, detail::chunked_block_v value
+/// columns, shrunk (columns first, then the chunk) until the block fits in shared memory.
+inline cfg chunked_heuristic_cfg(const problem& p) {
+  detail::check_sizes(p);
+  cfg c;
+  c.algo = algorithm::chunked;
+  c.num_warps = detail::chunked_warps;
+  c.block_k = int((p.K + 15) / 16 * 16);
+  int bv = detail::chunked_block_v(p), chunk = 64;
+  const std::size_t budget = detail::smem_budget();
+  while (bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
+  while (chunk > 16 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  c.block_v = bv;
+  c.chunk = chunk;
+  return c;
+}
+
+/// The default: the chunked kernel where it can run and the sequences are long enough to pay
+/// (detail::chunked_min_tokens), else the recurrent one.
+inline cfg heuristic_cfg(const problem& p) {
+  detail::check_sizes(p);
+  if (!detail::chunked_unsupported(p) && detail::chunked_pays(p)) return chunked_heuristic_cfg(p);
+  return recurrent_heuristic_cfg(p);
+}
+
+/// Checks a cfg that forces the chunked kernel and fills its zero fields.
+inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
+  using recattn::detail::cat;
+  using recattn::detail::fail;
+  if (const char* why = detail::chunked_unsupported(p)) fail("cfg.algorithm", why, "chunked");
+  const int Kp = int((p.K + 15) / 16 * 16);
+  if (u.block_v != 0 && u.block_v != 16 && u.block_v != 32 && u.block_v != 64)
+    fail("cfg.block_v", "0, 16, 32 or 64 with algorithm chunked", u.block_v);
+  if (u.chunk != 0 && u.chunk != 16 && u.chunk != 32 && u.chunk != 64)
+    fail("cfg.chunk", "0, 16, 32 or 64 with algorithm chunked", u.chunk);
+  if (u.num_warps != 0 && u.num_warps != detail::chunked_warps)
+    fail("cfg.num_warps", cat("0 or ", detail::chunked_warps, " with algorithm chunked"), u.num_warps);
+  if (u.block_k != 0 && u.block_k != Kp)
+    fail("cfg.block_k", cat("0 or ", Kp, " with algorithm chunked (K rounded up to 16)"), u.block_k);
+  cfg c = u;
+  int bv = u.block_v ? u.block_v : detail::chunked_block_v(p);
+  int chunk = u.chunk ? u.chunk : 64;
+  const std::size_t budget = detail::smem_budget();
+  while (!u.block_v && bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
+  while (!u.chunk && chunk > 16 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  const std::size_t bytes = detail::chunked_bytes(p, bv, chunk);
+  if (bytes > budget) {
+    const bool by_bv = u.block_v != 0;
+    fail(by_bv ? "cfg.block_v" : "cfg.chunk",
+         cat("a smaller value (block_v = ", bv, ", chunk = ", chunk, " with K = ", p.K, " needs ", bytes,
+             " bytes of shared memory, the device allows ", budget, ")"),
+         by_bv ? u.block_v : u.chunk);
+  }
+  c.algo = algorithm::chunked;
+  c.block_v = bv;
+  c.chunk = chunk;
+  c.num_warps = detail::chunked_warps;
+  c.block_k = Kp;
   return c;
 }
 
 /// Fills zero fields of `user` from the heuristic and checks the rest; throws for sizes the
-/// kernel cannot take (K > 256).
+/// kernel cannot take (K > 256). cfg.algo: `chunked` forces the chunked kernel (an Error
+/// where it cannot run: gk, gv, float, double), `recurrent` the recurrent one; `automatic`
+/// with every kernel field zero is the heuristic's choice, and with any of them set a
+/// recurrent cfg (those fields' meaning before cfg.algo existed).
 inline cfg resolve_cfg(const problem& p, const std::optional<cfg>& user) {
-  const cfg h = heuristic_cfg(p);
-  if (!user) return h;
-  cfg c = *user;
+  if (!user) return heuristic_cfg(p);
   using recattn::detail::fail;
-  if (c.threads < 0) fail("cfg.threads", "a value >= 0", c.threads);
+  if (user->threads < 0) fail("cfg.threads", "a value >= 0", user->threads);
+  if (user->algo == algorithm::chunked) return resolve_chunked_cfg(p, *user);
+  if (user->algo == algorithm::automatic && !user->block_v && !user->chunk && !user->block_k && !user->num_warps) {
+    cfg c = heuristic_cfg(p);
+    c.threads = user->threads;
+    return c;
+  }
+  const cfg h = recurrent_heuristic_cfg(p);
+  cfg c = *user;
+  c.algo = algorithm::recurrent;
   if (c.block_v != 0 && c.block_v != 8 && c.block_v != 16 && c.block_v != 32 && c.block_v != 64)
     fail("cfg.block_v", "0, 8, 16, 32 or 64 on platform cuda (8 columns per warp)", c.block_v);
   if (c.num_warps != 0 && c.num_warps != 1 && c.num_warps != 2 && c.num_warps != 4 && c.num_warps != 8)
@@ -121,11 +229,13 @@ inline cfg resolve_cfg(const problem& p, const std::optional<cfg>& user) {
   return c;
 }
 
-/// The configurations an autotuner times: warps per block x chunk length.
+/// The configurations an autotuner times: the heuristic's choice first; recurrent: warps per
+/// block x chunk length; chunked (where it can run): chunk length x value columns that fit.
 inline std::vector<cfg> candidate_cfgs(const problem& p) {
   std::vector<cfg> out;
-  const cfg h = heuristic_cfg(p);
-  out.push_back(h);
+  out.push_back(heuristic_cfg(p));
+  const cfg h = recurrent_heuristic_cfg(p);
+  if (std::find(out.begin(), out.end(), h) == out.end()) out.push_back(h);
   const std::int64_t groups = (p.V + columns_per_warp - 1) / columns_per_warp;
   for (int nw : {1, 2, 4, 8}) {
     if (nw > 1 && nw > detail::ceil_pow2(groups)) continue;
@@ -137,6 +247,19 @@ inline std::vector<cfg> candidate_cfgs(const problem& p) {
       c.chunk = detail::fit_chunk(p, nw, chunk);
       if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
     }
+  }
+  if (!detail::chunked_unsupported(p)) {
+    const std::size_t budget = detail::smem_budget();
+    const cfg ch = chunked_heuristic_cfg(p);
+    for (int chunk : {32, 64})
+      for (int bv : {16, 32, 64}) {
+        if (bv > 16 && bv / 2 >= p.V) continue;  // a block of padding columns
+        if (detail::chunked_bytes(p, bv, chunk) > budget) continue;
+        cfg c = ch;
+        c.chunk = chunk;
+        c.block_v = bv;
+        if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+      }
   }
   return out;
 }
@@ -181,6 +304,56 @@ struct launch_args {
   const void* cu_seqlens = nullptr;  ///< device copy
 };
 
+/// The kernel arguments both kernels read (value blocks of bv columns).
+template <class Policy>
+forward_params make_forward_params(const problem& p, const launch_args& a, int bv, int nvb) {
+  forward_params f;
+  const std::int64_t Bt = p.varlen ? 1 : p.B;
+  f.q = make_rows(p.q, Bt, p.T, p.Hq, 0);
+  f.k = make_rows(p.k, Bt, p.T, p.Hk, 0);
+  f.v = make_rows(p.v, Bt, p.T, p.Hv, nvb > 1 ? bv : 0);
+  if (p.has(gate_gk)) f.gk = make_rows(p.gk, Bt, p.T, p.H, 0);
+  if (p.has(gate_gv)) f.gv = make_rows(p.gv, Bt, p.T, p.H, nvb > 1 ? bv : 0);
+  f.g = p.g.data;
+  f.g_type = p.g.type;
+  f.g_s0 = p.g.s0;
+  f.g_s1 = p.g.s1;
+  f.g_s2 = p.g.s2;
+  f.g_gamma = p.g_gamma.data;
+  f.gamma_type = p.g_gamma.type;
+  f.gamma_s0 = p.g_gamma.s0;
+  f.gamma_s1 = p.g_gamma.s1;
+  f.h0 = p.h0.data;
+  f.h0_s0 = p.h0.s0;
+  f.h0_s1 = p.h0.s1;
+  f.h0_s2 = p.h0.s2;
+  f.ht = p.ht_data();
+  f.ht_s0 = p.ht.s0;
+  f.ht_s1 = p.ht.s1;
+  f.ht_s2 = p.ht.s2;
+  f.out = p.out_data();
+  f.out_s0 = p.out.s0;
+  f.out_s1 = p.out.s1;
+  f.out_s2 = p.out.s2;
+  f.cu_seqlens = Policy::varlen ? a.cu_seqlens : nullptr;
+  f.cu_int64 = p.cu_type == dtype::int64;
+  f.reverse = Policy::reverse;
+  f.kv_layout = Policy::layout == state_layout::kv;
+  if (!Policy::has_g) f.g = nullptr;
+  if (!Policy::has_g_gamma) f.g_gamma = nullptr;
+  f.T = p.T;
+  f.H = int(p.H);
+  f.gq = int(p.H / p.Hq);
+  f.gk_heads = int(p.H / p.Hk);
+  f.gv_heads = int(p.H / p.Hv);
+  f.K = int(p.K);
+  f.V = int(p.V);
+  f.nvb = nvb;
+  f.chunk = a.c.chunk;
+  f.scale = p.scale;
+  return f;
+}
+
 struct cuda_backend {
   template <class T, class Policy>
   static void forward(const problem& p, const launch_args& a) {
@@ -190,51 +363,7 @@ struct cuda_backend {
     const std::int64_t blocks = p.N * p.H * nvb;
     if (blocks == 0) return;
     const smem_layout L = layout_for(p, nw, a.c.chunk);
-
-    forward_params f;
-    const std::int64_t Bt = p.varlen ? 1 : p.B;
-    f.q = make_rows(p.q, Bt, p.T, p.Hq, 0);
-    f.k = make_rows(p.k, Bt, p.T, p.Hk, 0);
-    f.v = make_rows(p.v, Bt, p.T, p.Hv, nvb > 1 ? bv : 0);
-    if (p.has(gate_gk)) f.gk = make_rows(p.gk, Bt, p.T, p.H, 0);
-    if (p.has(gate_gv)) f.gv = make_rows(p.gv, Bt, p.T, p.H, nvb > 1 ? bv : 0);
-    f.g = p.g.data;
-    f.g_type = p.g.type;
-    f.g_s0 = p.g.s0;
-    f.g_s1 = p.g.s1;
-    f.g_s2 = p.g.s2;
-    f.g_gamma = p.g_gamma.data;
-    f.gamma_type = p.g_gamma.type;
-    f.gamma_s0 = p.g_gamma.s0;
-    f.gamma_s1 = p.g_gamma.s1;
-    f.h0 = p.h0.data;
-    f.h0_s0 = p.h0.s0;
-    f.h0_s1 = p.h0.s1;
-    f.h0_s2 = p.h0.s2;
-    f.ht = p.ht_data();
-    f.ht_s0 = p.ht.s0;
-    f.ht_s1 = p.ht.s1;
-    f.ht_s2 = p.ht.s2;
-    f.out = p.out_data();
-    f.out_s0 = p.out.s0;
-    f.out_s1 = p.out.s1;
-    f.out_s2 = p.out.s2;
-    f.cu_seqlens = Policy::varlen ? a.cu_seqlens : nullptr;
-    f.cu_int64 = p.cu_type == dtype::int64;
-    f.reverse = Policy::reverse;
-    f.kv_layout = Policy::layout == state_layout::kv;
-    if (!Policy::has_g) f.g = nullptr;
-    if (!Policy::has_g_gamma) f.g_gamma = nullptr;
-    f.T = p.T;
-    f.H = int(p.H);
-    f.gq = int(p.H / p.Hq);
-    f.gk_heads = int(p.H / p.Hk);
-    f.gv_heads = int(p.H / p.Hv);
-    f.K = int(p.K);
-    f.V = int(p.V);
-    f.nvb = nvb;
-    f.chunk = a.c.chunk;
-    f.scale = p.scale;
+    forward_params f = make_forward_params<Policy>(p, a, bv, nvb);
     f.raw_q = L.raw_q;
     f.raw_gk = L.raw_gk;
     f.raw_v = L.raw_v;
@@ -262,6 +391,32 @@ struct cuda_backend {
   }
 };
 
+/// The chunked kernel (chunked.cuh): bfloat16 and half, gates g and g_gamma.
+struct chunked_backend {
+  template <class T, class Policy>
+  static void forward(const problem& p, const launch_args& a) {
+    if constexpr (!std::is_same<T, bfloat16>::value && !std::is_same<T, half>::value) {
+      recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
+    } else if constexpr (Policy::has_gk || Policy::has_gv) {
+      recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
+    } else {
+      const int bv = a.c.block_v;
+      const int nvb = int((p.V + bv - 1) / bv);
+      const std::int64_t blocks = p.N * p.H * nvb;
+      if (blocks == 0) return;
+      chunked_params P;
+      P.f = make_forward_params<Policy>(p, a, bv, nvb);
+      P.L = make_chunked_layout(p.K, bv, a.c.chunk);
+      auto kernel = chunked_forward_kernel<T>;
+      if (P.L.bytes > 48 * 1024)
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(P.L.bytes)),
+              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+      kernel<<<unsigned(blocks), unsigned(32 * chunked_warps), P.L.bytes, a.stream>>>(P);
+      check(cudaGetLastError(), "chunked forward kernel launch");
+    }
+  }
+};
+
 }  // namespace detail
 
 /// Runs the forward pass on the GPU: every pointer of p must be device (or managed) memory,
@@ -278,8 +433,15 @@ inline void run_forward(const problem& p, const cfg& c, const forward_options& o
   if (p.has(gate_gv)) detail::require_device("gv", p.gv.data);
   detail::require_device("initial_state", p.h0.data);
   detail::require_device("final_state", p.ht.data);
-  if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 4 || c.chunk % 4 || c.chunk > 32 * c.num_warps)
+  const bool chunked = c.algo == algorithm::chunked;
+  if (chunked) {
+    if (const char* why = detail::chunked_unsupported(p)) recattn::detail::fail("cfg.algorithm", why, "chunked");
+    if (c.num_warps != detail::chunked_warps || (c.chunk != 16 && c.chunk != 32 && c.chunk != 64) ||
+        (c.block_v != 16 && c.block_v != 32 && c.block_v != 64))
+      recattn::detail::fail("cfg", "a configuration from cuda::resolve_cfg", c.str());
+  } else if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 4 || c.chunk % 4 || c.chunk > 32 * c.num_warps) {
     recattn::detail::fail("cfg", "a configuration from cuda::resolve_cfg", c.str());
+  }
 
   detail::launch_args a;
   a.c = c;
@@ -297,7 +459,8 @@ inline void run_forward(const problem& p, const cfg& c, const forward_options& o
     }
   }
   try {
-    recattn::detail::dispatch_forward<detail::cuda_backend>(p, a);
+    if (chunked) recattn::detail::dispatch_forward<detail::chunked_backend>(p, a);
+    else recattn::detail::dispatch_forward<detail::cuda_backend>(p, a);
   } catch (...) {
     if (cu_tmp) (void)cudaFreeAsync(cu_tmp, a.stream);
     throw;

@@ -1,0 +1,256 @@
+// The chunked CUDA forward (issue 8, phase 1) on dense inputs: every phase-1 gate combination
+// (none, g, g_gamma, both) x both directions x bfloat16 and half; K and V of odd sizes up to
+// 256; T shorter than a chunk, not a multiple of it, T = 1; strong, underflowing (-inf) and
+// positive decays; T = 65536; every chunked candidate cfg; the dispatcher's choice; and the
+// rejection of what the chunked kernel does not take (gk, gv, float, double). Each case is
+// compared with the CPU double reference and with the recurrent CUDA kernel.
+// Varlen, grouped heads and the [V,K] state are in test_cuda_chunked_layouts.cu.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <utility>
+#include <vector>
+
+#include "chunked_check.hpp"
+
+using recattn::algorithm;
+using recattn::dtype;
+using recattn_test::algo_cfg;
+using recattn_test::expect_chunked_rejected;
+using recattn_test::instance;
+using recattn_test::require_agreement;
+using recattn_test::spec;
+
+namespace {
+
+const dtype mma_types[] = {dtype::bfloat16, dtype::float16};
+const unsigned phase1_gates[] = {0u, unsigned(recattn::gate_g), unsigned(recattn::gate_g_gamma),
+                                 unsigned(recattn::gate_g | recattn::gate_g_gamma)};
+
+recattn::problem problem_of(instance& in) {
+  recattn::forward_outputs outs{in.out.dev_mview(), std::nullopt};
+  if (in.s.return_state) outs.final_state = in.ht.dev_mview();
+  return recattn::make_problem(in.q.dev_view(), in.k.dev_view(), in.v.dev_view(), in.options(true), &outs);
+}
+
+}  // namespace
+
+TEST_CASE("cuda chunked: every phase-1 gate combination, both directions, bf16 and half", "[cuda][chunked]") {
+  std::uint64_t seed = 10;
+  for (dtype t : mma_types)
+    for (unsigned gates : phase1_gates)
+      for (bool reverse : {false, true})
+        for (int chunk : {32, 64}) {
+          spec s;
+          s.type = t;
+          s.gate_type = (seed & 1) ? t : dtype::float32;
+          s.gates = gates;
+          s.reverse = reverse;
+          s.B = 2;
+          s.T = 150;  // 2 full chunks of 64 and a partial one; 4 of 32 and a partial one
+          s.Hq = s.Hk = s.Hv = 2;
+          s.K = 24;
+          s.V = 20;
+          s.initial_state = (seed & 2) != 0;
+          s.gamma_per_seq = (seed & 4) != 0;
+          s.seed = seed++;
+          require_agreement(s, chunk);
+        }
+}
+
+TEST_CASE("cuda chunked: K and V of odd sizes up to 256, short sequences", "[cuda][chunked]") {
+  const std::int64_t sizes[][2] = {{16, 16}, {24, 100}, {64, 64}, {100, 24}, {128, 128}, {256, 256}, {256, 16}, {16, 256}, {100, 256}};
+  std::uint64_t seed = 200;
+  for (dtype t : mma_types)
+    for (const auto& kv : sizes)
+      for (std::int64_t T : {1, 37, 130}) {
+        spec s;
+        s.type = t;
+        s.gate_type = t;
+        s.gates = (seed % 4 == 0) ? 0u : unsigned(recattn::gate_g | recattn::gate_g_gamma);
+        s.reverse = (seed & 1) != 0;
+        s.B = 1;
+        s.T = T;
+        s.Hq = s.Hk = s.Hv = 2;
+        s.K = kv[0];
+        s.V = kv[1];
+        s.initial_state = true;
+        s.pad = (seed % 3 == 0) ? 3 : 0;  // strided rows (odd pitch: plain loads)
+        s.seed = seed++;
+        require_agreement(s, seed % 2 ? 64 : 32, 0);
+      }
+  // Rows 8-byte aligned (padded to 40 and 48 elements) whose sizes are not multiples of 4:
+  // the staging's 4-element loads end in a partial group.
+  for (dtype t : mma_types)
+    for (int bv : {16, 32, 64}) {
+      spec s;
+      s.type = t;
+      s.gate_type = t;
+      s.gates = recattn::gate_g;
+      s.B = 2;
+      s.T = 70;
+      s.Hq = s.Hk = s.Hv = 1;
+      s.K = 37;
+      s.V = 45;
+      s.pad = 3;
+      s.initial_state = true;
+      s.seed = seed++;
+      require_agreement(s, 32, bv);
+    }
+}
+
+TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda][chunked]") {
+  const std::pair<double, double> ranges[] = {{-20.0, -5.0}, {-6.0, 0.0}, {-1.0, 0.8}, {-0.2, 0.0}, {-40.0, 0.5}};
+  std::uint64_t seed = 400;
+  for (dtype t : mma_types)
+    for (unsigned gates : {unsigned(recattn::gate_g), unsigned(recattn::gate_g_gamma),
+                           unsigned(recattn::gate_g | recattn::gate_g_gamma)})
+      for (const auto& r : ranges) {
+        if ((gates & recattn::gate_g_gamma) && r.second > 0.0) continue;  // a constant growth overflows
+        spec s;
+        s.type = t;
+        s.gate_type = t;
+        s.gates = gates;
+        s.scalar_range = r;
+        s.B = 2;
+        s.T = 200;
+        s.Hq = s.Hk = s.Hv = 2;
+        s.K = 40;
+        s.V = 24;
+        s.reverse = (seed & 1) != 0;
+        s.initial_state = true;
+        s.gamma_per_seq = (seed & 2) != 0;
+        s.seed = seed++;
+        require_agreement(s, (seed & 4) ? 32 : 64);
+      }
+  // Decays of exactly 0 (g = -inf) between ordinary ones: inside chunks, at their first and
+  // last tokens (every 37th token over 300 meets every position class of chunks of 32, 64).
+  for (dtype t : mma_types)
+    for (int every : {1, 2, 37, 64}) {
+      spec s;
+      s.type = t;
+      s.gate_type = t;
+      s.gates = recattn::gate_g | (every == 2 ? recattn::gate_g_gamma : 0u);
+      s.scalar_range = std::make_pair(-3.0, 0.0);
+      s.neg_inf_every = every;
+      s.T = 300;
+      s.initial_state = true;
+      s.reverse = every == 37;
+      s.seed = seed++;
+      require_agreement(s, every == 64 ? 64 : 32);
+    }
+}
+
+TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked]") {
+  std::uint64_t seed = 600;
+  for (unsigned gates : {0u, unsigned(recattn::gate_g)}) {
+    spec s;
+    s.type = dtype::bfloat16;
+    s.gate_type = dtype::float32;
+    s.gates = gates;
+    s.scalar_range = std::make_pair(-0.05, 0.0);
+    s.B = 1;
+    s.T = 65536;
+    s.Hq = s.Hk = s.Hv = 1;
+    s.K = s.V = 64;
+    s.initial_state = true;
+    s.seed = seed++;
+    require_agreement(s);  // the heuristic's chunk and columns
+  }
+}
+
+TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice", "[cuda][chunked]") {
+  spec s;
+  s.type = dtype::bfloat16;
+  s.gate_type = dtype::bfloat16;
+  s.gates = recattn::gate_g | recattn::gate_g_gamma;
+  s.B = 1;
+  s.T = 300;
+  s.Hq = s.Hk = s.Hv = 2;
+  s.K = 128;
+  s.V = 100;
+  s.initial_state = true;
+  instance probe(s);
+  const recattn::problem p = problem_of(probe);
+  const auto cands = recattn::RecurrentAttention(recattn::platform::cuda).candidate_cfgs(p);
+  int chunked = 0;
+  std::uint64_t seed = 700;
+  for (const recattn::cfg& c : cands) {
+    if (c.algo != algorithm::chunked) continue;
+    ++chunked;
+    spec sc = s;
+    sc.seed = seed++;
+    require_agreement(sc, c.chunk, c.block_v);
+  }
+  CHECK(chunked >= 4);
+  CHECK(cands.front().algo == algorithm::chunked);  // T = 300 >= 256, bf16, scalar gates
+
+  // The heuristic: chunked for long bf16/half sequences with scalar gates; recurrent for
+  // short ones, for gk/gv and for float. A cfg with recurrent fields and algo automatic stays
+  // recurrent; algo forces either.
+  CHECK(recattn::cuda::resolve_cfg(p, std::nullopt).algo == algorithm::chunked);
+  CHECK(recattn::cuda::resolve_cfg(p, algo_cfg(algorithm::recurrent)).algo == algorithm::recurrent);
+  recattn::cfg legacy;
+  legacy.num_warps = 4;
+  CHECK(recattn::cuda::resolve_cfg(p, legacy).algo == algorithm::recurrent);
+  spec sh = s;
+  sh.T = 100;
+  instance short_seq(sh);
+  const recattn::problem ps = problem_of(short_seq);
+  CHECK(recattn::cuda::resolve_cfg(ps, std::nullopt).algo == algorithm::recurrent);
+  CHECK(recattn::cuda::resolve_cfg(ps, algo_cfg(algorithm::chunked)).algo == algorithm::chunked);
+  spec sk = s;
+  sk.gates = recattn::gate_gk;
+  instance with_gk(sk);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gk), std::nullopt).algo == algorithm::recurrent);
+  spec sf = s;
+  sf.type = dtype::float32;
+  sf.gate_type = dtype::float32;
+  instance with_float(sf);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(with_float), std::nullopt).algo == algorithm::recurrent);
+  // The public call with the heuristic's choice (chunked here) against the reference.
+  spec sd = s;
+  sd.seed = seed++;
+  instance dflt(sd);
+  const recattn_test::errors e = dflt.check();
+  CHECK(e.output_written);
+  CHECK(e.output < recattn_test::tolerance(s.type));
+  CHECK(e.state < recattn_test::tolerance(s.type));
+}
+
+TEST_CASE("cuda chunked: what it does not take is a recattn::Error, nothing written", "[cuda][chunked]") {
+  spec s;
+  s.type = dtype::bfloat16;
+  s.gate_type = dtype::bfloat16;
+  s.B = 1;
+  s.T = 300;
+  s.K = s.V = 32;
+  s.initial_state = true;
+  s.cfg = algo_cfg(algorithm::chunked);
+  for (unsigned gates : {unsigned(recattn::gate_gk), unsigned(recattn::gate_gv),
+                         unsigned(recattn::gate_g | recattn::gate_gk | recattn::gate_gv)}) {
+    spec sg = s;
+    sg.gates = gates;
+    INFO(sg.str());
+    expect_chunked_rejected(sg, "cfg.algorithm: expected recurrent for gk/gv");
+  }
+  for (dtype t : {dtype::float32, dtype::float64}) {
+    spec st = s;
+    st.type = t;
+    st.gate_type = t;
+    INFO(st.str());
+    expect_chunked_rejected(st, "cfg.algorithm");
+  }
+  SECTION("fields the chunked kernel cannot take") {
+    spec sb = s;
+    sb.cfg = algo_cfg(algorithm::chunked, 48, 0);
+    expect_chunked_rejected(sb, "cfg.chunk");
+    sb.cfg = algo_cfg(algorithm::chunked, 0, 8);
+    expect_chunked_rejected(sb, "cfg.block_v");
+    recattn::cfg c = algo_cfg(algorithm::chunked);
+    c.num_warps = 8;
+    sb.cfg = c;
+    expect_chunked_rejected(sb, "cfg.num_warps");
+  }
+}
