@@ -19,7 +19,7 @@ TEST_CASE("cuda chunked: varlen with empty sequences, both directions, [K,V] and
       {0, 0, 70, 70, 200, 263, 263},  // empty first, middle and last; lengths 70, 130, 63
       {0, 1, 65, 129, 400},           // 1, a chunk + 1, exactly 64, 271
       {0, 300},                       // one sequence
-      {0, 0},                         // one empty sequence: the final state is the initial one
+      {0, 0, 0, 17},                  // two empty sequences (final state = initial state), then 17
   };
   std::uint64_t seed = 1000;
   for (const auto& cu : cus)
