@@ -76,7 +76,7 @@ inline void RecurrentAttention::backward(const tensor_view& q, const tensor_view
                                          const backward_outputs& outs) const {
   const backward_problem bp = make_backward_problem(q, k, v, opt, grads, &outs);
   const recattn::platform pl = detail::resolve_backward_platform(pick(opt), bp.fwd);
-  const cfg c = detail::resolve_cfg(pl, bp.fwd, opt.cfg);
+  const cfg c = cpu::cpu_backward_resolve_cfg(bp.fwd, opt.cfg, detail::resolve_cfg(pl, bp.fwd, opt.cfg));
   detail::dispatch_backward<detail::cpu_backward_backend>(bp, c);
 }
 
@@ -134,7 +134,7 @@ inline cpu::backward_workspace backward_workspace_bytes(const tensor_view& q, co
                                                         const tensor_view& v, const forward_options& opt,
                                                         const output_grads& grads, const backward_outputs& outs) {
   const backward_problem bp = make_backward_problem(q, k, v, opt, grads, &outs);
-  return cpu::backward_workspace_of(bp, cpu::cpu_resolve_cfg(bp.fwd, opt.cfg));
+  return cpu::backward_workspace_of(bp, cpu::cpu_backward_resolve_cfg(bp.fwd, opt.cfg, cpu::cpu_resolve_cfg(bp.fwd, opt.cfg)));
 }
 
 }  // namespace recattn

@@ -69,6 +69,9 @@
 #include <vector>
 
 #include <xsimd/xsimd.hpp>
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "../backward_problem.hpp"
 #include "../cfg.hpp"
@@ -86,6 +89,33 @@
 #endif
 #ifndef RECATTN_CPU_BWD_TILE_REGS
 #define RECATTN_CPU_BWD_TILE_REGS 4
+#endif
+// The state sweep's tile (2 FMAs per element, like the forward's scan): 8 x 2 as in the
+// forward measured a few percent faster than 4 x 4 there (shape a, gk, 2 threads).
+#ifndef RECATTN_CPU_BWD_A_TILE_ROWS
+#define RECATTN_CPU_BWD_A_TILE_ROWS 8
+#endif
+#ifndef RECATTN_CPU_BWD_A_TILE_REGS
+#define RECATTN_CPU_BWD_A_TILE_REGS 2
+#endif
+
+// Non-temporal stores of the dq, dk, dv rows (float on AVX / AVX-512): they are not read
+// again by the kernel, and a plain store first reads each line it writes.
+#ifndef RECATTN_CPU_BWD_STREAM_STORES
+#define RECATTN_CPU_BWD_STREAM_STORES 1
+#endif
+
+// Software prefetch of the next chunk's rows, spread over the register tiles (0: none, the
+// hardware prefetcher alone). Off by default: with the rows of a head group staged together
+// (4 KiB per tensor and token on shape a) it measured slower here (bench/README.md).
+#ifndef RECATTN_CPU_BWD_PREFETCH
+#define RECATTN_CPU_BWD_PREFETCH 0
+#endif
+
+// Budget for the matrices of the heads one work item holds (see backward_plan): the
+// forward's RECATTN_CPU_GROUP_STATE_BYTES unless set.
+#ifndef RECATTN_CPU_BWD_GROUP_BYTES
+#define RECATTN_CPU_BWD_GROUP_BYTES RECATTN_CPU_GROUP_STATE_BYTES
 #endif
 
 namespace recattn::cpu {
@@ -216,6 +246,40 @@ inline void state_tile(std::int64_t L, const Acc* dos, const Acc* vs, std::int64
       s[i][j].store_aligned(S + i * lds + j * W);
       if constexpr (NeedR) rt[i][j].store_aligned(Rt + i * lds + j * W);
     }
+}
+
+/// store_row with non-temporal stores where the row allows (float, aligned destination);
+/// stream_fence() orders them before the work item ends.
+template <class T, class Acc>
+inline void store_row_stream(const Acc* src, std::int64_t n, T* dst) {
+#if RECATTN_CPU_BWD_STREAM_STORES && (defined(__AVX512F__) || defined(__AVX__))
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float>) {
+#if defined(__AVX512F__)
+    constexpr std::int64_t w = 16;
+    constexpr std::uintptr_t align = 63;
+#else
+    constexpr std::int64_t w = 8;
+    constexpr std::uintptr_t align = 31;
+#endif
+    if ((reinterpret_cast<std::uintptr_t>(dst) & align) == 0) {
+      std::int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + w <= n; i += w) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#else
+      for (; i + w <= n; i += w) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+      for (; i < n; ++i) dst[i] = src[i];
+      return;
+    }
+  }
+#endif
+  store_row(src, n, dst);
+}
+
+inline void stream_fence() {
+#if RECATTN_CPU_BWD_STREAM_STORES && (defined(__AVX512F__) || defined(__AVX__))
+  _mm_sfence();
+#endif
 }
 
 /// x[i] *= y[i] over a padded row.
@@ -429,8 +493,9 @@ struct backward_workspace {
   std::size_t per_thread_b = 0, per_thread_a = 0;  ///< sweep B, sweep A scratch of one worker
   int threads_b = 0, threads_a = 0;
   std::size_t shared = 0;  ///< per-(n, h) constants
+  /// The sweeps run one after the other and share one buffer.
   std::size_t total() const {
-    return per_thread_b * std::size_t(threads_b) + per_thread_a * std::size_t(threads_a) + shared;
+    return std::max(per_thread_b * std::size_t(threads_b), per_thread_a * std::size_t(threads_a)) + shared;
   }
 };
 
@@ -450,9 +515,9 @@ struct carver {
   }
 };
 
-/// Sweep B's scratch of one worker. Per head of the item: the rescaled adjoint dS' [K][Vp],
+/// Sweep B's scratch of one worker (Gh heads per item). Per head of the item: the rescaled adjoint dS' [K][Vp],
 /// the decay products of its segment (runr [Kp], runc [Vp]) and the decays of the token
-/// processed last (pendr, pendc). Per staged chunk of one head, in sweep order: q * scale,
+/// processed last (pendr, pendc). Per head, a staged chunk in sweep order: q * scale,
 /// k, v, dO as given; their rescaled forms q' = q / Pr, k'' = k * Pr, v'' = v * Pc,
 /// dO' = dO / Pc; the products Pr, Pc of each token; the segment-start factors; starts;
 /// dk', dv' of the head and dk, dv of the head groups; the lane partials of dk'. Then the
@@ -465,25 +530,28 @@ struct sweep_b_buffers {
   Acc *dr, *dc, *starts, *dkh, *dvh, *dkg, *dvg, *kpart;
   double* run;
   std::size_t bytes;
-  sweep_b_buffers(Acc* base, std::int64_t W, std::int64_t Gb, std::int64_t K, std::int64_t V, std::int64_t Kp,
-                  std::int64_t Vp, std::int64_t C, std::int64_t nk, std::int64_t nv) {
+  sweep_b_buffers(Acc* base, std::int64_t W, std::int64_t Gh, std::int64_t K, std::int64_t V, std::int64_t Kp,
+                  std::int64_t Vp, std::int64_t C, std::int64_t nk, std::int64_t nv, bool row, bool col) {
     carver<Acc> take{base, W};
-    S = take(Gb * K * Vp);
-    runr = take(Gb * Kp), pendr = take(Gb * Kp), runc = take(Gb * Vp), pendc = take(Gb * Vp);
-    qs = take(C * Kp), ks = take(C * Kp), q1 = take(C * Kp), k2 = take(C * Kp), rr = take(C * Kp);
-    fr1 = take(C * Kp), fr2 = take(C * Kp);
-    vs = take(C * Vp), dos = take(C * Vp), v2 = take(C * Vp), do1 = take(C * Vp), rc = take(C * Vp);
-    fc1 = take(C * Vp), fc2 = take(C * Vp);
-    dr = take(Kp), dc = take(Vp), starts = take(C);
+    const std::int64_t r = row ? 1 : 0, c = col ? 1 : 0;
+    S = take(Gh * K * Vp);
+    runr = take(r * Gh * Kp), pendr = take(r * Gh * Kp), runc = take(c * Gh * Vp), pendc = take(c * Gh * Vp);
+    qs = take(Gh * C * Kp), ks = take(Gh * C * Kp);
+    q1 = take(r * Gh * C * Kp), k2 = take(r * Gh * C * Kp), rr = take(r * Gh * C * Kp);
+    fr1 = take(r * Gh * C * Kp), fr2 = take(r * Gh * C * Kp);
+    vs = take(Gh * C * Vp), dos = take(Gh * C * Vp);
+    v2 = take(c * Gh * C * Vp), do1 = take(c * Gh * C * Vp), rc = take(c * Gh * C * Vp);
+    fc1 = take(c * Gh * C * Vp), fc2 = take(c * Gh * C * Vp);
+    dr = take(Kp), dc = take(Vp), starts = take(Gh * round_up(C, W));
     dkh = take(C * Kp), dvh = take(C * Vp), dkg = take(nk * C * Kp), dvg = take(nv * C * Vp), kpart = take(C * Kp * W);
     run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
-    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gb * (K + V + 1)) + 63) / 64 * 64;
+    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gh * (K + V + 1)) + 63) / 64 * 64;
   }
 };
 
-/// Sweep A's scratch of one worker. Per head: the rescaled state S'^T [V][bk] (and the
+/// Sweep A's scratch of one worker (Gh heads per item, nq query rows). Per head: the rescaled state S'^T [V][bk] (and the
 /// g_gamma tangent R'), the decay products of its segment (runr [Vp] over value rows: g,
-/// g_gamma, gv; runc [bk] over key columns: gk). Per staged chunk of one head: dO * scale, v,
+/// g_gamma, gv; runc [bk] over key columns: gk). Per head, a staged chunk: dO * scale, v,
 /// k, q as given; dO'' = dO * Pr, v' = v / Pr, k' = k / Pc, q'' = q * Pc; the products; the
 /// segment-start factors; starts; dq' of the head (and R dO), dq of the group, o' and its lane
 /// partials. Then the running sums (double).
@@ -495,18 +563,21 @@ struct sweep_a_buffers {
   Acc *er, *ec, *starts, *dqh, *dqg, *rqh, *oh, *opart;
   double* run;
   std::size_t bytes;
-  sweep_a_buffers(Acc* base, std::int64_t W, std::int64_t Ga, std::int64_t V, std::int64_t Vp, std::int64_t bk,
-                  std::int64_t C, std::int64_t nr) {
+  sweep_a_buffers(Acc* base, std::int64_t W, std::int64_t Gh, std::int64_t nq, std::int64_t V, std::int64_t Vp,
+                  std::int64_t bk, std::int64_t C, std::int64_t nr, bool row, bool col) {
     carver<Acc> take{base, W};
-    S = take(Ga * V * bk), Rt = take(nr * Ga * V * bk), runr = take(Ga * Vp), runc = take(Ga * bk);
-    dos = take(C * Vp), vs = take(C * Vp), do2 = take(C * Vp), v1 = take(C * Vp), cr = take(C * Vp);
-    fr1 = take(C * Vp), fr2 = take(C * Vp);
-    ks = take(C * bk), qs = take(C * bk), k1 = take(C * bk), q2 = take(C * bk), cc = take(C * bk);
-    fc1 = take(C * bk), fc2 = take(C * bk);
-    er = take(Vp), ec = take(bk), starts = take(C);
-    dqh = take(C * bk), dqg = take(C * bk), rqh = take(nr * C * bk), oh = take(C * Vp), opart = take(C * Vp * W);
+    const std::int64_t r = row ? 1 : 0, c = col ? 1 : 0;
+    S = take(Gh * V * bk), Rt = take(nr * Gh * V * bk), runr = take(r * Gh * Vp), runc = take(c * Gh * bk);
+    dos = take(Gh * C * Vp), vs = take(Gh * C * Vp);
+    do2 = take(r * Gh * C * Vp), v1 = take(r * Gh * C * Vp), cr = take(r * Gh * C * Vp);
+    fr1 = take(r * Gh * C * Vp), fr2 = take(r * Gh * C * Vp);
+    ks = take(Gh * C * bk), qs = take(Gh * C * bk);
+    k1 = take(c * Gh * C * bk), q2 = take(c * Gh * C * bk), cc = take(c * Gh * C * bk);
+    fc1 = take(c * Gh * C * bk), fc2 = take(c * Gh * C * bk);
+    er = take(Vp), ec = take(bk), starts = take(Gh * round_up(C, W));
+    dqh = take(C * bk), dqg = take(nq * C * bk), rqh = take(nr * C * bk), oh = take(C * Vp), opart = take(C * Vp * W);
     run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
-    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Ga * (bk + V + 2)) + 63) / 64 * 64;
+    bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gh * (bk + V + 2)) + 63) / 64 * 64;
   }
 };
 
@@ -514,6 +585,7 @@ struct sweep_a_buffers {
 template <class Acc>
 struct backward_plan {
   std::int64_t W, K, V, Kp, Vp, C, Ga, Gb, bk, nkb, items_a, items_b, nk, nv, nr;
+  std::int64_t Ma, Mb;  ///< head groups (of Ga, Gb heads) per work item of sweep A, B
   int threads_a, threads_b;
   bool want_k, want_v, want_s, want_gamma, need_o;
   std::size_t per_b, per_a, consts;
@@ -544,15 +616,32 @@ struct backward_plan {
       while (bk > W && p.N * (p.H / Ga) * ((Kp + bk - 1) / bk) < 2 * threads) bk = round_up(bk / 2, W);
     }
     nkb = (Kp + bk - 1) / bk;
-    items_b = p.N * (p.H / Gb);
-    items_a = p.N * (p.H / Ga) * nkb;
+    nr = want_gamma ? 1 : 0;
+    // Head groups per item, as in the forward (heads_per_item): the rows of one token for
+    // consecutive heads are adjacent in memory and are staged together, as many heads as
+    // keep their matrices within the forward's budget while every thread still gets an item.
+    auto groups = [&](std::int64_t total, std::int64_t per_group_bytes, std::int64_t other) {
+      std::int64_t best = 1;
+      const std::int64_t min_items = std::min<std::int64_t>(threads, p.N * total * other);
+      for (std::int64_t m = 2; m <= total; ++m)
+        if (total % m == 0 && m * per_group_bytes <= std::int64_t(RECATTN_CPU_BWD_GROUP_BYTES) &&
+            p.N * (total / m) * other >= min_items)
+          best = m;
+      return best;
+    };
+    Mb = groups(p.H / Gb, Gb * K * Vp * std::int64_t(sizeof(Acc)), 1);
+    Ma = groups(p.H / Ga, (1 + nr) * Ga * V * bk * std::int64_t(sizeof(Acc)), nkb);
+    items_b = p.N * (p.H / (Gb * Mb));
+    items_a = p.N * (p.H / (Ga * Ma)) * nkb;
     threads_b = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_b)));
     threads_a = int(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, items_a)));
     nk = Gb / (p.H / p.Hk);
     nv = Gb / (p.H / p.Hv);
-    nr = want_gamma ? 1 : 0;
-    per_b = sweep_b_buffers<Acc>(nullptr, W, Gb, K, V, Kp, Vp, C, nk, nv).bytes;
-    per_a = sweep_a_buffers<Acc>(nullptr, W, Ga, V, Vp, bk, C, nr).bytes;
+    const bool scalar = p.has(gate_g) || p.has(gate_g_gamma);
+    per_b = sweep_b_buffers<Acc>(nullptr, W, Mb * Gb, K, V, Kp, Vp, C, Mb * nk, Mb * nv, scalar || p.has(gate_gk),
+                                 p.has(gate_gv)).bytes;
+    per_a = sweep_a_buffers<Acc>(nullptr, W, Ma * Ga, Ma, V, Vp, bk, C, nr, scalar || p.has(gate_gv),
+                                 p.has(gate_gk)).bytes;
     consts = sizeof(double) * std::size_t(p.N * p.H * (K + V + 2));
   }
 };
@@ -580,6 +669,20 @@ inline std::int64_t tile_count(std::int64_t rows, std::int64_t cols_p) {
 
 }  // namespace detail
 
+/// Tokens staged at once by the backward when cfg.chunk is 0 (the heuristic): shorter than
+/// the forward's, since a work item stages the rows of all its heads and both sweeps keep
+/// more rows per token (measured on shape a, gk, 2 threads: see bench/README.md).
+#ifndef RECATTN_CPU_BWD_CHUNK
+#define RECATTN_CPU_BWD_CHUNK 16
+#endif
+
+/// The backward's cfg: the forward's resolution (cpu_resolve_cfg), with the backward's own
+/// chunk where the caller left it to the heuristic.
+inline cfg cpu_backward_resolve_cfg(const problem& p, const std::optional<cfg>& user, cfg resolved) {
+  if (!user || user->chunk == 0) resolved.chunk = RECATTN_CPU_BWD_CHUNK;
+  return resolved;
+}
+
 /// The backward pass for one compiled specialization. `bp` is checked; `c` resolved.
 ///
 /// Both sweeps run the forward's rescaled recurrence (recurrence.hpp, rescale_bound): within
@@ -604,6 +707,7 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   const bool want_k = plan.want_k, want_v = plan.want_v, want_s = plan.want_s, want_gamma = plan.want_gamma;
   const bool want_any = want_k || want_v || want_s;
   constexpr int TR = RECATTN_CPU_BWD_TILE_ROWS, TV = RECATTN_CPU_BWD_TILE_REGS;
+  constexpr int TRa = RECATTN_CPU_BWD_A_TILE_ROWS, TVa = RECATTN_CPU_BWD_A_TILE_REGS;
   // Decays of sweep B's adjoint rows (a) and columns (b), as in the forward; sweep A holds
   // S^T, so there the scalar gates fold into the rows (b) and gk decays the columns (a).
   constexpr bool b_row = Policy::decay_k, b_col = Policy::decay_v;
@@ -613,14 +717,13 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   const Acc lo = d::rescale_bound<Acc>::lo, hi = d::rescale_bound<Acc>::hi;
 
   // All scratch is taken before anything is written.
-  d::aligned_buffer<Acc> scratch_b(plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b) + 1);
-  d::aligned_buffer<Acc> scratch_a(plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a) + 1);
+  // The sweeps run one after the other: one buffer serves both.
+  d::aligned_buffer<Acc> scratch(std::max(plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b),
+                                          plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a)) +
+                                 1);
   std::vector<double> consts(std::size_t(p.N * p.H * (K + V + 2)), 0.0);
   const int max_threads = std::max(plan.threads_a, plan.threads_b);
   std::vector<d::prefetch_queue> queues(std::size_t(max_threads), d::prefetch_queue(std::size_t(7 * C)));
-  // Sweep B's lane partials of dk must be zero in the padding rows [K, Kp).
-  std::fill_n(scratch_b.get(), plan.per_b / sizeof(Acc) * std::size_t(plan.threads_b), Acc(0));
-  std::fill_n(scratch_a.get(), plan.per_a / sizeof(Acc) * std::size_t(plan.threads_a), Acc(0));
 
   // consts[(n * H + h)]: rowsum(dh0 .* h0) [K], colsum(dh0 .* h0) [V], sum(dh0 .* h0), each
   // plus sweep B's last rounding carry; then dg_gamma of (n, h).
@@ -643,122 +746,138 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   };
 
   // ---- Sweep B: the adjoint, in reverse processing order. ----
-  // Chunk ci holds processing indices [i0, i0 + cl), staged in sweep order: position u is
-  // processing index i0 + cl - 1 - u. The decay applied at position u is that of the token
-  // processed just before (pendr, pendc: A_u = D_{u+1} .* dS_{u+1}); after the last one,
-  // d initial_state = D_0 .* dS_0.
+  // An item is (sequence, Mb groups of Gb heads): the chunk's rows of all its heads are
+  // staged together, tokens outer and heads inner (adjacent in memory), then each head's
+  // adjoint runs over them. Chunk ci holds processing indices [i0, i0 + cl), staged in sweep
+  // order: position u is processing index i0 + cl - 1 - u. The decay applied at position u
+  // is that of the token processed just before (pendr, pendc: A_u = D_{u+1} .* dS_{u+1});
+  // after the last one, d initial_state = D_0 .* dS_0.
+  const std::int64_t Gbh = plan.Mb * Gb, nkg = plan.Mb * nk, nvg = plan.Mb * nv;
   parallel_for(plan.items_b, plan.threads_b, [&](std::int64_t item, int worker) {
-    const std::int64_t hb = (item % (p.H / Gb)) * Gb;
-    const std::int64_t n = item / (p.H / Gb);
+    const std::int64_t hb = (item % (p.H / Gbh)) * Gbh;
+    const std::int64_t n = item / (p.H / Gbh);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
     const std::int64_t bidx = seq.batch, L = seq.len;
-    const d::sweep_b_buffers<Acc> sb(scratch_b.get() + plan.per_b / sizeof(Acc) * std::size_t(worker), W, Gb, K, V, Kp,
-                                     Vp, C, nk, nv);
+    const d::sweep_b_buffers<Acc> sb(scratch.get() + plan.per_b / sizeof(Acc) * std::size_t(worker), W, Gbh, K, V,
+                                     Kp, Vp, C, nkg, nvg, b_row, b_col);
     d::prefetch_queue& pq = queues[std::size_t(worker)];
-    double* run = sb.run;  // [Gb][K + V + 1] rounding carries
+    double* run = sb.run;  // [Gbh][K + V + 1] rounding carries
     const std::int64_t rs = K + V + 1;
-    for (std::int64_t i = 0; i < Gb * rs; ++i) run[i] = 0.0;
+    const std::int64_t CK = C * Kp, CV = C * Vp, CS = d::round_up(C, W);
+    for (std::int64_t i = 0; i < Gbh * rs; ++i) run[i] = 0.0;
+    // The lane partials of dk in the padding rows [K, Kp), which no tile writes, are zero.
+    for (std::int64_t u = 0; u < C; ++u) std::fill(sb.kpart + (u * Kp + K) * W, sb.kpart + (u + 1) * Kp * W, Acc(0));
 
-    for (std::int64_t hl = 0; hl < Gb; ++hl)
+    for (std::int64_t hl = 0; hl < Gbh; ++hl)
       d::load_state<Acc>(p, bp.d_ht, n, hb + hl, false, K, 0, V, sb.S + hl * K * Vp, Vp);
-    if constexpr (b_row) std::fill_n(sb.runr, Gb * Kp, Acc(1)), std::fill_n(sb.pendr, Gb * Kp, Acc(1));
-    if constexpr (b_col) std::fill_n(sb.runc, Gb * Vp, Acc(1)), std::fill_n(sb.pendc, Gb * Vp, Acc(1));
-    const Acc* qt = b_row ? sb.q1 : sb.qs;
-    const Acc* kt = b_row ? sb.k2 : sb.ks;
-    const Acc* vt = b_col ? sb.v2 : sb.vs;
-    const Acc* dt = b_col ? sb.do1 : sb.dos;
+    if constexpr (b_row) std::fill_n(sb.runr, Gbh * Kp, Acc(1)), std::fill_n(sb.pendr, Gbh * Kp, Acc(1));
+    if constexpr (b_col) std::fill_n(sb.runc, Gbh * Vp, Acc(1)), std::fill_n(sb.pendc, Gbh * Vp, Acc(1));
     const std::int64_t tiles = d::tile_count<Acc, TR, TV>(K, Vp);
 
-    const std::int64_t nchunks = (L + C - 1) / C;
-    for (std::int64_t ci = nchunks - 1; ci >= 0; --ci) {
-      const std::int64_t i0 = ci * C, cl = std::min(C, L - i0);
-      std::fill_n(sb.dkg, nk * C * Kp, Acc(0));
-      std::fill_n(sb.dvg, nv * C * Vp, Acc(0));
-      for (std::int64_t hl = 0; hl < Gb; ++hl) {
-        const std::int64_t h = hb + hl;
-        const Acc gamma = gamma_of(n, h);
+    // Stages token t (sweep position u) of head hl.
+    auto stage = [&](std::int64_t hl, std::int64_t u, std::int64_t t) {
+      const std::int64_t h = hb + hl;
+      Acc* qr = sb.qs + hl * CK + u * Kp;
+      Acc* kr = sb.ks + hl * CK + u * Kp;
+      d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qr, scale);
+      d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, kr);
+      for (std::int64_t a = K; a < Kp; ++a) qr[a] = kr[a] = Acc(0);
+      Acc* vr = sb.vs + hl * CV + u * Vp;
+      Acc* dr = sb.dos + hl * CV + u * Vp;
+      d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
+      d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr);
+      for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
+      if constexpr (b_row) {
+        Acc g0 = gamma_of(n, h);
+        if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+        if constexpr (Policy::has_gk) {
+          d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h)), p.gk.type, K, sb.dr);
+          for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(0);
+          d::exp_row(sb.dr, Kp, g0);
+        } else {
+          const Acc e = std::exp(g0);
+          for (std::int64_t a = 0; a < K; ++a) sb.dr[a] = e;
+        }
+        for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(1);
+      }
+      if constexpr (b_col) {
+        d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sb.dc);
+        for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(0);
+        d::exp_row(sb.dc, Vp, Acc(0));
+        for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(1);
+      }
+      if constexpr (b_decay) {
         Acc* runr = sb.runr + hl * Kp;
         Acc* pendr = sb.pendr + hl * Kp;
         Acc* runc = sb.runc + hl * Vp;
         Acc* pendc = sb.pendc + hl * Vp;
-        for (std::int64_t u = 0; u < cl; ++u) {
-          const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
-          Acc* qr = sb.qs + u * Kp;
-          Acc* kr = sb.ks + u * Kp;
-          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq), p.type, K, qr, scale);
-          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh), p.type, K, kr);
-          for (std::int64_t a = K; a < Kp; ++a) qr[a] = kr[a] = Acc(0);
-          Acc* vr = sb.vs + u * Vp;
-          Acc* dr = sb.dos + u * Vp;
-          d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
-          d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr);
-          for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
-          if constexpr (b_row) {
-            Acc g0 = gamma;
-            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
-            if constexpr (Policy::has_gk) {
-              d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h)), p.gk.type, K, sb.dr);
-              for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(0);
-              d::exp_row(sb.dr, Kp, g0);
-            } else {
-              const Acc e = std::exp(g0);
-              for (std::int64_t a = 0; a < K; ++a) sb.dr[a] = e;
-            }
-            for (std::int64_t a = K; a < Kp; ++a) sb.dr[a] = Acc(1);
-          }
-          if constexpr (b_col) {
-            d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sb.dc);
-            for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(0);
-            d::exp_row(sb.dc, Vp, Acc(0));
-            for (std::int64_t j = V; j < Vp; ++j) sb.dc[j] = Acc(1);
-          }
-          if constexpr (b_decay) {
-            bool start = false;
-            if constexpr (b_row) start = d::leaves_bound(runr, pendr, Kp, lo, hi);
-            if constexpr (b_col) start = d::leaves_bound(runc, pendc, Vp, lo, hi) || start;
-            sb.starts[u] = start ? Acc(1) : Acc(0);
-            if constexpr (b_row) {
-              d::advance_run(runr, pendr, Kp, start, sb.fr1 + u * Kp, sb.fr2 + u * Kp);
-              std::copy_n(sb.dr, Kp, pendr);
-              std::copy_n(runr, Kp, sb.rr + u * Kp);
-              d::scale_rows(runr, kr, sb.k2 + u * Kp, qr, sb.q1 + u * Kp, Kp);
-            }
-            if constexpr (b_col) {
-              d::advance_run(runc, pendc, Vp, start, sb.fc1 + u * Vp, sb.fc2 + u * Vp);
-              std::copy_n(sb.dc, Vp, pendc);
-              std::copy_n(runc, Vp, sb.rc + u * Vp);
-              d::scale_rows(runc, vr, sb.v2 + u * Vp, dr, sb.do1 + u * Vp, Vp);
-            }
-          }
+        bool start = false;
+        if constexpr (b_row) start = d::leaves_bound(runr, pendr, Kp, lo, hi);
+        if constexpr (b_col) start = d::leaves_bound(runc, pendc, Vp, lo, hi) || start;
+        sb.starts[hl * CS + u] = start ? Acc(1) : Acc(0);
+        if constexpr (b_row) {
+          const std::int64_t o = hl * CK + u * Kp;
+          d::advance_run(runr, pendr, Kp, start, sb.fr1 + o, sb.fr2 + o);
+          std::copy_n(sb.dr, Kp, pendr);
+          std::copy_n(runr, Kp, sb.rr + o);
+          d::scale_rows(runr, kr, sb.k2 + o, qr, sb.q1 + o, Kp);
         }
-        // The rows the next staging reads (the chunk before, or the next head), spread over
-        // this head's register tiles.
-        pq.clear();
-        {
-          const bool last_head = hl + 1 == Gb;
-          const std::int64_t nh = last_head ? hb : h + 1;
-          const std::int64_t nci = last_head ? ci - 1 : ci;
-          if (nci >= 0) {
-            const std::int64_t ni0 = nci * C, ncl = std::min(C, L - ni0);
-            for (std::int64_t u = 0; u < ncl; ++u) {
-              const std::int64_t t = seq.template token<Policy::reverse>(ni0 + ncl - 1 - u);
-              pq.add(qd + p.q.offset(bidx, t, nh / gq), std::size_t(K) * sizeof(T));
-              pq.add(kd + p.k.offset(bidx, t, nh / gkh), std::size_t(K) * sizeof(T));
-              pq.add(vd + p.v.offset(bidx, t, nh / gvh), std::size_t(V) * sizeof(T));
-              pq.add(dod + bp.d_out.offset(bidx, t, nh), std::size_t(V) * sizeof(T));
-              if constexpr (Policy::has_gk) pq.add(gate_row(p.gk, p.gk.offset(bidx, t, nh)), std::size_t(K) * dtype_size(p.gk.type));
-              if constexpr (Policy::has_gv) pq.add(gate_row(p.gv, p.gv.offset(bidx, t, nh)), std::size_t(V) * dtype_size(p.gv.type));
-            }
-          }
+        if constexpr (b_col) {
+          const std::int64_t o = hl * CV + u * Vp;
+          d::advance_run(runc, pendc, Vp, start, sb.fc1 + o, sb.fc2 + o);
+          std::copy_n(sb.dc, Vp, pendc);
+          std::copy_n(runc, Vp, sb.rc + o);
+          d::scale_rows(runc, vr, sb.v2 + o, dr, sb.do1 + o, Vp);
         }
-        const std::int64_t per_tile = (pq.lines + tiles - 1) / tiles + 1;
+      }
+    };
+    // Queues the rows that chunk ci's staging reads, tensor by tensor so that the rows of
+    // consecutive heads merge into one span.
+    auto plan_prefetch = [&](std::int64_t ci) {
+      pq.clear();
+      if (ci < 0) return;
+      const std::int64_t ni0 = ci * C, ncl = std::min(C, L - ni0);
+      for (std::int64_t u = 0; u < ncl; ++u) {
+        const std::int64_t t = seq.template token<Policy::reverse>(ni0 + ncl - 1 - u);
+        for (std::int64_t h = hb; h < hb + Gbh; ++h) pq.add(qd + p.q.offset(bidx, t, h / gq), std::size_t(K) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gbh; ++h) pq.add(kd + p.k.offset(bidx, t, h / gkh), std::size_t(K) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gbh; ++h) pq.add(vd + p.v.offset(bidx, t, h / gvh), std::size_t(V) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gbh; ++h) pq.add(dod + bp.d_out.offset(bidx, t, h), std::size_t(V) * sizeof(T));
+        if constexpr (Policy::has_gk)
+          for (std::int64_t h = hb; h < hb + Gbh; ++h)
+            pq.add(gate_row(p.gk, p.gk.offset(bidx, t, h)), std::size_t(K) * dtype_size(p.gk.type));
+        if constexpr (Policy::has_gv)
+          for (std::int64_t h = hb; h < hb + Gbh; ++h)
+            pq.add(gate_row(p.gv, p.gv.offset(bidx, t, h)), std::size_t(V) * dtype_size(p.gv.type));
+      }
+    };
+
+    const std::int64_t nchunks = (L + C - 1) / C;
+    for (std::int64_t ci = nchunks - 1; ci >= 0; --ci) {
+      const std::int64_t i0 = ci * C, cl = std::min(C, L - i0);
+      std::fill_n(sb.dkg, nkg * C * Kp, Acc(0));
+      std::fill_n(sb.dvg, nvg * C * Vp, Acc(0));
+      for (std::int64_t u = 0; u < cl; ++u) {
+        const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
+        for (std::int64_t hl = 0; hl < Gbh; ++hl) stage(hl, u, t);
+      }
+      // The next chunk's rows arrive while this one's adjoints run.
+      if (RECATTN_CPU_BWD_PREFETCH) plan_prefetch(ci - 1);
+      else pq.clear();
+      const std::int64_t per_tile = (pq.lines / Gbh + tiles - 1) / tiles + 1;
+      for (std::int64_t hl = 0; hl < Gbh; ++hl) {
+        const std::int64_t h = hb + hl;
+        const Acc* qt = (b_row ? sb.q1 : sb.qs) + hl * CK;
+        const Acc* kt = (b_row ? sb.k2 : sb.ks) + hl * CK;
+        const Acc* vt = (b_col ? sb.v2 : sb.vs) + hl * CV;
+        const Acc* dt = (b_col ? sb.do1 : sb.dos) + hl * CV;
         std::fill_n(sb.dvh, cl * Vp, Acc(0));
         Acc* S = sb.S + hl * K * Vp;
-        d::for_each_segment<b_decay>(sb.starts, cl, [&](std::int64_t u0, std::int64_t u1, bool start) {
+        d::for_each_segment<b_decay>(sb.starts + hl * CS, cl, [&](std::int64_t u0, std::int64_t u1, bool start) {
           d::segment_factors<Acc> f;
           if (start) {
-            if (b_row) f.r1 = sb.fr1 + u0 * Kp, f.r2 = sb.fr2 + u0 * Kp;
-            if (b_col) f.c1 = sb.fc1 + u0 * Vp, f.c2 = sb.fc2 + u0 * Vp;
+            if (b_row) f.r1 = sb.fr1 + hl * CK + u0 * Kp, f.r2 = sb.fr2 + hl * CK + u0 * Kp;
+            if (b_col) f.c1 = sb.fc1 + hl * CV + u0 * Vp, f.c2 = sb.fc2 + hl * CV + u0 * Vp;
           }
           d::for_each_tile<Acc, TR, TV>(K, Vp, [&](auto r, auto nvr, std::int64_t a, std::int64_t j0) {
             pq.issue(per_tile);
@@ -767,12 +886,11 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
                 S + a * Vp + j0, Vp, sb.dvh + u0 * Vp + j0, sb.kpart + (u0 * Kp + a) * W, j0 == 0, f.at(a, j0));
           });
         });
-        pq.issue_all();
         d::reduce_lanes(cl, Kp, sb.kpart, sb.dkh, Kp);
         if constexpr (b_row)
-          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dkh + u * Kp, sb.rr + u * Kp, Kp);
+          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dkh + u * Kp, sb.rr + hl * CK + u * Kp, Kp);
         if constexpr (b_col)
-          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dvh + u * Vp, sb.rc + u * Vp, Vp);
+          for (std::int64_t u = 0; u < cl; ++u) d::mul_row(sb.dvh + u * Vp, sb.rc + hl * CV + u * Vp, Vp);
 
         // Per token: the gate terms k .* dk' and v .* dv' go to sweep A through the gate
         // gradients' own buffers; dk and dv get the token's own output term and are summed
@@ -782,10 +900,10 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         double* cS = cV + V;
         for (std::int64_t u = 0; u < cl; ++u) {
           const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
-          const Acc* qr = sb.qs + u * Kp;
-          const Acc* kr = sb.ks + u * Kp;
-          const Acc* vr = sb.vs + u * Vp;
-          const Acc* dr = sb.dos + u * Vp;
+          const Acc* qr = sb.qs + hl * CK + u * Kp;
+          const Acc* kr = sb.ks + hl * CK + u * Kp;
+          const Acc* vr = sb.vs + hl * CV + u * Vp;
+          const Acc* dr = sb.dos + hl * CV + u * Vp;
           const Acc* dk = sb.dkh + u * Kp;
           const Acc* dv = sb.dvh + u * Vp;
           if constexpr (Policy::has_gk)
@@ -804,20 +922,22 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           for (std::int64_t j = 0; j < V; ++j) gv[j] += dv[j] + dr[j] * qk;
         }
       }
+      pq.issue_all();
       for (std::int64_t u = 0; u < cl; ++u) {
         const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
-        for (std::int64_t x = 0; x < nk; ++x)
-          d::store_row(sb.dkg + x * C * Kp + u * Kp, K,
+        for (std::int64_t x = 0; x < nkg; ++x)
+          d::store_row_stream(sb.dkg + x * C * Kp + u * Kp, K,
                        static_cast<T*>(backward_problem::data(bp.dk)) + bp.dk.offset(bidx, t, hb / gkh + x));
-        for (std::int64_t x = 0; x < nv; ++x)
-          d::store_row(sb.dvg + x * C * Vp + u * Vp, V,
+        for (std::int64_t x = 0; x < nvg; ++x)
+          d::store_row_stream(sb.dvg + x * C * Vp + u * Vp, V,
                        static_cast<T*>(backward_problem::data(bp.dv)) + bp.dv.offset(bidx, t, hb / gvh + x));
       }
     }
 
+    d::stream_fence();
     // d initial_state = D_0 .* dS_0 = D_0 .* P .* dS' (two plain multiplies, as the direct
     // recurrence would); the constants of sweep A's gate gradients.
-    for (std::int64_t hl = 0; hl < Gb; ++hl) {
+    for (std::int64_t hl = 0; hl < Gbh; ++hl) {
       const std::int64_t h = hb + hl;
       Acc* S = sb.S + hl * K * Vp;
       if constexpr (b_decay) {
@@ -850,106 +970,124 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
   });
 
   // ---- Sweep A: the state (as S^T), in processing order. ----
-  const std::int64_t nkb = plan.nkb;
+  // An item is (sequence, Ma groups of Ga heads, block of key columns), staged like sweep B's.
+  const std::int64_t nkb = plan.nkb, Gah = plan.Ma * Ga;
   parallel_for(plan.items_a, plan.threads_a, [&](std::int64_t item, int worker) {
     const std::int64_t kb = item % nkb;
-    const std::int64_t hg = (item / nkb) % (p.H / Ga);
-    const std::int64_t n = item / (nkb * (p.H / Ga));
-    const std::int64_t hb = hg * Ga;
+    const std::int64_t hg = (item / nkb) % (p.H / Gah);
+    const std::int64_t n = item / (nkb * (p.H / Gah));
+    const std::int64_t hb = hg * Gah;
     const std::int64_t a0 = kb * bk, w = std::min(bk, K - a0), wp = d::round_up(w, W);
     const recattn::detail::seqlen_info<Policy::varlen> seq(p, n);
     const std::int64_t bidx = seq.batch, L = seq.len;
     const std::int64_t nr = plan.nr;
-    const d::sweep_a_buffers<Acc> sa(scratch_a.get() + plan.per_a / sizeof(Acc) * std::size_t(worker), W, Ga, V, Vp, bk,
-                                     C, nr);
+    const d::sweep_a_buffers<Acc> sa(scratch.get() + plan.per_a / sizeof(Acc) * std::size_t(worker), W, Gah, plan.Ma,
+                                     V, Vp, bk, C, nr, a_row, a_col);
     d::prefetch_queue& pq = queues[std::size_t(worker)];
-    double* run = sa.run;  // [Ga][w + V + 2]
+    double* run = sa.run;  // [Gah][w + V + 2]
     const std::int64_t rs = bk + V + 2;
-    for (std::int64_t i = 0; i < Ga * rs; ++i) run[i] = 0.0;
-    for (std::int64_t hl = 0; hl < Ga; ++hl)
+    const std::int64_t CV = C * Vp, CB = C * bk, CS = d::round_up(C, W);
+    for (std::int64_t i = 0; i < Gah * rs; ++i) run[i] = 0.0;
+    // Likewise the lane partials of o in the padding rows [V, Vp).
+    if (plan.need_o)
+      for (std::int64_t l = 0; l < C; ++l) std::fill(sa.opart + (l * Vp + V) * W, sa.opart + (l + 1) * Vp * W, Acc(0));
+    for (std::int64_t hl = 0; hl < Gah; ++hl)
       d::load_state<Acc>(p, p.h0, n, hb + hl, true, V, a0, w, sa.S + hl * V * wp, wp);
-    std::fill_n(sa.Rt, nr * Ga * V * bk, Acc(0));
-    if constexpr (a_row) std::fill_n(sa.runr, Ga * Vp, Acc(1));
-    if constexpr (a_col) std::fill_n(sa.runc, Ga * bk, Acc(1));
-    const Acc* dt = a_row ? sa.do2 : sa.dos;
-    const Acc* vt = a_row ? sa.v1 : sa.vs;
-    const Acc* kt = a_col ? sa.k1 : sa.ks;
-    const Acc* qt = a_col ? sa.q2 : sa.qs;
+    std::fill_n(sa.Rt, nr * Gah * V * bk, Acc(0));
+    if constexpr (a_row) std::fill_n(sa.runr, Gah * Vp, Acc(1));
+    if constexpr (a_col) std::fill_n(sa.runc, Gah * bk, Acc(1));
+
+    // Stages token t (chunk position l) of head hl.
+    auto stage = [&](std::int64_t hl, std::int64_t l, std::int64_t t) {
+      const std::int64_t h = hb + hl;
+      Acc* dr = sa.dos + hl * CV + l * Vp;
+      Acc* vr = sa.vs + hl * CV + l * Vp;
+      d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr, scale);
+      d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
+      for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
+      Acc* kr = sa.ks + hl * CB + l * wp;
+      Acc* qr = sa.qs + hl * CB + l * wp;
+      d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh) + a0, p.type, w, kr);
+      d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq) + a0, p.type, w, qr);
+      for (std::int64_t j = w; j < wp; ++j) kr[j] = qr[j] = Acc(0);
+      if constexpr (a_row) {
+        Acc g0 = gamma_of(n, h);
+        if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+        if constexpr (Policy::has_gv) {
+          d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sa.er);
+          for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(0);
+          d::exp_row(sa.er, Vp, g0);
+        } else {
+          const Acc e = std::exp(g0);
+          for (std::int64_t j = 0; j < V; ++j) sa.er[j] = e;
+        }
+        for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(1);
+      }
+      if constexpr (a_col) {
+        d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), p.gk.type, w, sa.ec);
+        for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(0);
+        d::exp_row(sa.ec, wp, Acc(0));
+        for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(1);
+      }
+      if constexpr (a_decay) {
+        Acc* runr = sa.runr + hl * Vp;
+        Acc* runc = sa.runc + hl * bk;
+        bool start = false;
+        if constexpr (a_row) start = d::leaves_bound(runr, sa.er, Vp, lo, hi);
+        if constexpr (a_col) start = d::leaves_bound(runc, sa.ec, wp, lo, hi) || start;
+        sa.starts[hl * CS + l] = start ? Acc(1) : Acc(0);
+        if constexpr (a_row) {
+          const std::int64_t o = hl * CV + l * Vp;
+          d::advance_run(runr, sa.er, Vp, start, sa.fr1 + o, sa.fr2 + o);
+          std::copy_n(runr, Vp, sa.cr + o);
+          d::scale_rows(runr, dr, sa.do2 + o, vr, sa.v1 + o, Vp);
+        }
+        if constexpr (a_col) {
+          const std::int64_t o = hl * CB + l * wp;
+          d::advance_run(runc, sa.ec, wp, start, sa.fc1 + o, sa.fc2 + o);
+          std::copy_n(runc, wp, sa.cc + o);
+          d::scale_rows(runc, qr, plan.need_o ? sa.q2 + o : nullptr, kr, sa.k1 + o, wp);
+        }
+      }
+    };
+    // Queues the rows that the staging of the chunk at ni0 reads, tensor by tensor.
+    auto plan_prefetch = [&](std::int64_t ni0) {
+      pq.clear();
+      for (std::int64_t l = 0; l < std::min(C, L - ni0); ++l) {
+        const std::int64_t t = seq.template token<Policy::reverse>(ni0 + l);
+        for (std::int64_t h = hb; h < hb + Gah; ++h) pq.add(dod + bp.d_out.offset(bidx, t, h), std::size_t(V) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gah; ++h) pq.add(vd + p.v.offset(bidx, t, h / gvh), std::size_t(V) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gah; ++h)
+          pq.add(kd + p.k.offset(bidx, t, h / gkh) + a0, std::size_t(w) * sizeof(T));
+        for (std::int64_t h = hb; h < hb + Gah; ++h)
+          pq.add(qd + p.q.offset(bidx, t, h / gq) + a0, std::size_t(w) * sizeof(T));
+        if constexpr (Policy::has_gk)
+          for (std::int64_t h = hb; h < hb + Gah; ++h)
+            pq.add(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), std::size_t(w) * dtype_size(p.gk.type));
+        if constexpr (Policy::has_gv)
+          for (std::int64_t h = hb; h < hb + Gah; ++h)
+            pq.add(gate_row(p.gv, p.gv.offset(bidx, t, h)), std::size_t(V) * dtype_size(p.gv.type));
+        if (want_k)
+          for (std::int64_t h = hb; h < hb + Gah; ++h)
+            pq.add(gate_row(bp.dgk, bp.dgk.offset(bidx, t, h) + a0), std::size_t(w) * dtype_size(bp.dgk.type));
+      }
+    };
 
     for (std::int64_t i0 = 0; i0 < L; i0 += C) {
       const std::int64_t cl = std::min(C, L - i0);
-      std::fill_n(sa.dqg, cl * wp, Acc(0));
-      for (std::int64_t hl = 0; hl < Ga; ++hl) {
+      std::fill_n(sa.dqg, plan.Ma * C * bk, Acc(0));
+      for (std::int64_t l = 0; l < cl; ++l) {
+        const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
+        for (std::int64_t hl = 0; hl < Gah; ++hl) stage(hl, l, t);
+      }
+      if (RECATTN_CPU_BWD_PREFETCH) plan_prefetch(i0 + C);
+      else pq.clear();
+      for (std::int64_t hl = 0; hl < Gah; ++hl) {
         const std::int64_t h = hb + hl;
-        const Acc gamma = gamma_of(n, h);
-        Acc* runr = sa.runr + hl * Vp;
-        Acc* runc = sa.runc + hl * bk;
-        for (std::int64_t l = 0; l < cl; ++l) {
-          const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          Acc* dr = sa.dos + l * Vp;
-          Acc* vr = sa.vs + l * Vp;
-          d::convert_row<Acc>(dod + bp.d_out.offset(bidx, t, h), p.type, V, dr, scale);
-          d::convert_row<Acc>(vd + p.v.offset(bidx, t, h / gvh), p.type, V, vr);
-          for (std::int64_t j = V; j < Vp; ++j) vr[j] = dr[j] = Acc(0);
-          Acc* kr = sa.ks + l * wp;
-          Acc* qr = sa.qs + l * wp;
-          d::convert_row<Acc>(kd + p.k.offset(bidx, t, h / gkh) + a0, p.type, w, kr);
-          d::convert_row<Acc>(qd + p.q.offset(bidx, t, h / gq) + a0, p.type, w, qr);
-          for (std::int64_t j = w; j < wp; ++j) kr[j] = qr[j] = Acc(0);
-          if constexpr (a_row) {
-            Acc g0 = gamma;
-            if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
-            if constexpr (Policy::has_gv) {
-              d::convert_row<Acc>(gate_row(p.gv, p.gv.offset(bidx, t, h)), p.gv.type, V, sa.er);
-              for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(0);
-              d::exp_row(sa.er, Vp, g0);
-            } else {
-              const Acc e = std::exp(g0);
-              for (std::int64_t j = 0; j < V; ++j) sa.er[j] = e;
-            }
-            for (std::int64_t j = V; j < Vp; ++j) sa.er[j] = Acc(1);
-          }
-          if constexpr (a_col) {
-            d::convert_row<Acc>(gate_row(p.gk, p.gk.offset(bidx, t, h) + a0), p.gk.type, w, sa.ec);
-            for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(0);
-            d::exp_row(sa.ec, wp, Acc(0));
-            for (std::int64_t j = w; j < wp; ++j) sa.ec[j] = Acc(1);
-          }
-          if constexpr (a_decay) {
-            bool start = false;
-            if constexpr (a_row) start = d::leaves_bound(runr, sa.er, Vp, lo, hi);
-            if constexpr (a_col) start = d::leaves_bound(runc, sa.ec, wp, lo, hi) || start;
-            sa.starts[l] = start ? Acc(1) : Acc(0);
-            if constexpr (a_row) {
-              d::advance_run(runr, sa.er, Vp, start, sa.fr1 + l * Vp, sa.fr2 + l * Vp);
-              std::copy_n(runr, Vp, sa.cr + l * Vp);
-              d::scale_rows(runr, dr, sa.do2 + l * Vp, vr, sa.v1 + l * Vp, Vp);
-            }
-            if constexpr (a_col) {
-              d::advance_run(runc, sa.ec, wp, start, sa.fc1 + l * wp, sa.fc2 + l * wp);
-              std::copy_n(runc, wp, sa.cc + l * wp);
-              d::scale_rows(runc, qr, plan.need_o ? sa.q2 + l * wp : nullptr, kr, sa.k1 + l * wp, wp);
-            }
-          }
-        }
-        // The rows the next staging reads (the next head, or the next chunk), spread over
-        // this head's register tiles.
-        pq.clear();
-        {
-          const bool last_head = hl + 1 == Ga;
-          const std::int64_t nh = last_head ? hb : h + 1;
-          const std::int64_t ni0 = last_head ? i0 + C : i0;
-          for (std::int64_t l = 0; l < std::min(C, L - ni0); ++l) {
-            const std::int64_t t = seq.template token<Policy::reverse>(ni0 + l);
-            pq.add(dod + bp.d_out.offset(bidx, t, nh), std::size_t(V) * sizeof(T));
-            pq.add(vd + p.v.offset(bidx, t, nh / gvh), std::size_t(V) * sizeof(T));
-            pq.add(kd + p.k.offset(bidx, t, nh / gkh) + a0, std::size_t(w) * sizeof(T));
-            pq.add(qd + p.q.offset(bidx, t, nh / gq) + a0, std::size_t(w) * sizeof(T));
-            if constexpr (Policy::has_gk) pq.add(gate_row(p.gk, p.gk.offset(bidx, t, nh) + a0), std::size_t(w) * dtype_size(p.gk.type));
-            if constexpr (Policy::has_gv) pq.add(gate_row(p.gv, p.gv.offset(bidx, t, nh)), std::size_t(V) * dtype_size(p.gv.type));
-            if (want_k) pq.add(gate_row(bp.dgk, bp.dgk.offset(bidx, t, nh) + a0), std::size_t(w) * dtype_size(bp.dgk.type));
-          }
-        }
+        const Acc* dt = (a_row ? sa.do2 : sa.dos) + hl * CV;
+        const Acc* vt = (a_row ? sa.v1 : sa.vs) + hl * CV;
+        const Acc* kt = (a_col ? sa.k1 : sa.ks) + hl * CB;
+        const Acc* qt = (a_col ? sa.q2 : sa.qs) + hl * CB;
         std::fill_n(sa.dqh, cl * wp, Acc(0));
         if (want_gamma) std::fill_n(sa.rqh, cl * wp, Acc(0));
         Acc* S = sa.S + hl * V * wp;
@@ -957,16 +1095,16 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         auto sweep = [&](auto need_o, auto need_r) {
           constexpr bool NO = decltype(need_o)::value, NR = decltype(need_r)::value;
           // The tangent doubles the state registers: half as many columns per tile then.
-          constexpr int NVt = NR && TV > 1 ? TV / 2 : TV;
-          const std::int64_t tiles = d::tile_count<Acc, TR, NVt>(V, wp);
-          const std::int64_t per_tile = (pq.lines + tiles - 1) / tiles + 1;
-          d::for_each_segment<a_decay>(sa.starts, cl, [&](std::int64_t l0, std::int64_t l1, bool start) {
+          constexpr int NVt = NR && TVa > 1 ? TVa / 2 : TVa;
+          const std::int64_t tiles = d::tile_count<Acc, TRa, NVt>(V, wp);
+          const std::int64_t per_tile = (pq.lines / Gah + tiles - 1) / tiles + 1;
+          d::for_each_segment<a_decay>(sa.starts + hl * CS, cl, [&](std::int64_t l0, std::int64_t l1, bool start) {
             d::segment_factors<Acc> f;
             if (start) {
-              if (a_row) f.r1 = sa.fr1 + l0 * Vp, f.r2 = sa.fr2 + l0 * Vp;
-              if (a_col) f.c1 = sa.fc1 + l0 * wp, f.c2 = sa.fc2 + l0 * wp;
+              if (a_row) f.r1 = sa.fr1 + hl * CV + l0 * Vp, f.r2 = sa.fr2 + hl * CV + l0 * Vp;
+              if (a_col) f.c1 = sa.fc1 + hl * CB + l0 * wp, f.c2 = sa.fc2 + hl * CB + l0 * wp;
             }
-            d::for_each_tile<Acc, TR, NVt>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
+            d::for_each_tile<Acc, TRa, NVt>(V, wp, [&](auto r, auto nvr, std::int64_t b, std::int64_t j0) {
               pq.issue(per_tile);
               d::state_tile<Acc, NO, NR, decltype(r)::value, decltype(nvr)::value>(
                   l1 - l0, dt + l0 * Vp + b, vt + l0 * Vp + b, Vp, kt + l0 * wp + j0, qt + l0 * wp + j0, wp,
@@ -974,7 +1112,6 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
                   sa.opart + (l0 * Vp + b) * W, j0 == 0, f.at(b, j0));
             });
           });
-          pq.issue_all();
           if constexpr (NO) d::reduce_lanes(cl, Vp, sa.opart, sa.oh, Vp);
         };
         auto sweep_o = [&](auto need_r) {
@@ -989,12 +1126,12 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         }
         if constexpr (a_col)
           for (std::int64_t l = 0; l < cl; ++l) {
-            d::mul_row(sa.dqh + l * wp, sa.cc + l * wp, wp);
-            if (want_gamma) d::mul_row(sa.rqh + l * wp, sa.cc + l * wp, wp);
+            d::mul_row(sa.dqh + l * wp, sa.cc + hl * CB + l * wp, wp);
+            if (want_gamma) d::mul_row(sa.rqh + l * wp, sa.cc + hl * CB + l * wp, wp);
           }
         if constexpr (a_row)
           if (plan.need_o)
-            for (std::int64_t l = 0; l < cl; ++l) d::mul_row(sa.oh + l * Vp, sa.cr + l * Vp, Vp);
+            for (std::int64_t l = 0; l < cl; ++l) d::mul_row(sa.oh + l * Vp, sa.cr + hl * CV + l * Vp, Vp);
 
         // Per token: the final gate gradients (sweep B's stored terms, read before they are
         // overwritten, minus this sweep's, summed over the tokens before), the tangent's
@@ -1005,10 +1142,10 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         const double* cs = cst(n, h);
         for (std::int64_t l = 0; l < cl; ++l) {
           const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-          const Acc* qr = sa.qs + l * wp;
-          const Acc* kr = sa.ks + l * wp;
-          const Acc* vr = sa.vs + l * Vp;
-          const Acc* dr = sa.dos + l * Vp;
+          const Acc* qr = sa.qs + hl * CB + l * wp;
+          const Acc* kr = sa.ks + hl * CB + l * wp;
+          const Acc* vr = sa.vs + hl * CV + l * Vp;
+          const Acc* dr = sa.dos + hl * CV + l * Vp;
           const Acc* dq = sa.dqh + l * wp;
           if constexpr (Policy::has_gk)
             if (want_k)
@@ -1026,17 +1163,21 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           }
           if (want_gamma) pS[1] += d::dot_double(qr, sa.rqh + l * wp, w);
           const Acc vdo = d::dot_padded(vr, dr, Vp);
-          Acc* g = sa.dqg + l * wp;
+          Acc* g = sa.dqg + (hl / Ga) * C * bk + l * wp;
           for (std::int64_t a = 0; a < w; ++a) g[a] += dq[a] + kr[a] * vdo;
         }
       }
+      pq.issue_all();
       for (std::int64_t l = 0; l < cl; ++l) {
         const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-        d::store_row(sa.dqg + l * wp, w, static_cast<T*>(backward_problem::data(bp.dq)) + bp.dq.offset(bidx, t, hb / gq) + a0);
+        for (std::int64_t x = 0; x < plan.Ma; ++x)
+          d::store_row_stream(sa.dqg + x * C * bk + l * wp, w,
+                       static_cast<T*>(backward_problem::data(bp.dq)) + bp.dq.offset(bidx, t, hb / gq + x) + a0);
       }
     }
+    d::stream_fence();
     if (want_gamma)
-      for (std::int64_t hl = 0; hl < Ga; ++hl) {
+      for (std::int64_t hl = 0; hl < Gah; ++hl) {
         const std::int64_t h = hb + hl;
         // dg_gamma = sum_i scale q_i^T R_i dO_i + <d final_state, R_{L-1}> (bk = Kp here),
         // R_{L-1} = P .* R'.
