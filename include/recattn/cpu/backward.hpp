@@ -38,26 +38,38 @@
 // own buffers, in the gradient's dtype, with error feedback (the rounding of one token's term
 // is carried into the next), so that the running sums sweep A forms from them are off by one
 // rounding, not T of them: a 16-bit gate gradient needs no float scratch. Sweep A reads each
-// term, writes the final value in its place. Nothing divides by a decay.
+// term, writes the final value in its place.
+//
+// Both sweeps run the forward's rescaled recurrence (recurrence.hpp): within a segment the
+// carried matrix is kept divided by the product P of the decays applied since the segment
+// began (a key-row factor for g, g_gamma, gk; a value-column factor for gv), so the state
+// loops are FMAs only, for every gate set: 3 per state element and token in the adjoint
+// sweep (dk', dv', the update), 2 in the state sweep (dq', the update), against a multiply
+// more each in the direct form. A segment ends before the token that would take a product
+// out of [e^-20, e^20]; that token applies the products and its own decay to the true matrix
+// as plain multiplies (a decay of 0 zeroes it exactly). Nothing divides by a decay: only by
+// products within those bounds, O(K + V) per token, never to undo a step.
 //
 // Memory beyond inputs and outputs: per worker the K x V adjoint or state (and tangent) of
-// each head of its item plus chunk buffers (about 0.5 MB for K = V = 128, chunk 32), and
-// N * H * (K + V + 2) doubles, for every dtype: independent of T (backward_workspace_of
-// reports it). Time: two sweeps of about one forward each (the adjoint sweep does one more
-// multiply-add per state element). Storing a state checkpoint every C tokens would instead
-// cost T / C * K * V per head, and a constant number of checkpoints (revolve) a factor of
-// log T in time.
+// each head of its item plus the chunk's staged rows of those heads (about 1.4 MB for
+// K = V = 128, 8 heads, chunk 16; the sweeps run one after the other and share one buffer),
+// and N * H * (K + V + 2) doubles, for every dtype: independent of T (backward_workspace_of
+// reports it). Storing a state checkpoint every C tokens would instead cost T / C * K * V per
+// head, and a constant number of checkpoints (revolve) a factor of log T in time.
 //
 // Precision (float, T = 16384, every gate): dq, dk, dv ~8e-8; dgk, dgv, dg ~1e-5 (the
 // remaining rounding of the primed terms, summed over the sequence, grows like
 // eps * sqrt(T)); dg_gamma ~1e-7 to 1e-6. fla's fused_recurrent backward forms its gate
 // gradients from the unprimed terms (and none for g_gamma).
 //
-// Work items: sweep B, (sequence, group of heads that share key or value rows) with the
-// whole K x V adjoint of each head; sweep A, (sequence, group of heads sharing a query row,
-// block of key columns). Within a chunk of staged tokens, register tiles of the state stay
-// in registers (as in the forward kernel), and grouped heads sum into a float chunk buffer
-// before one write, so bfloat16 outputs are rounded once.
+// Work items: sweep B, (sequence, Mb groups of heads that share key or value rows) with the
+// whole K x V adjoint of each head; sweep A, (sequence, Ma groups of heads sharing a query
+// row, block of key columns). As in the forward (head-group staging), the rows of one token
+// for the item's consecutive heads are adjacent in memory and are staged together, as many
+// heads as keep their matrices within 512 KiB while every thread gets an item (shape a: 8).
+// Within a chunk of staged tokens, register tiles of the state stay in registers, and grouped
+// heads sum into a float chunk buffer before one write, so bfloat16 outputs are rounded once.
+// dq, dk, dv rows are written with non-temporal stores where the dtype and alignment allow.
 #pragma once
 
 #include <algorithm>
@@ -81,9 +93,9 @@
 #include "parallel.hpp"
 #include "recurrence.hpp"
 
-// Register tile of the backward sweeps: state rows x SIMD registers kept in registers over a
-// chunk. 4 x 4 measured fastest for K = V = 128 float on AVX-512 (backward 2.1-2.3x the
-// forward, against 2.4-2.9x with 8 x 2).
+// Register tile of the adjoint sweep: state rows x SIMD registers kept in registers over a
+// chunk. 4 x 4 measured fastest for K = V = 128 float on AVX-512 (the direct form's sweeps;
+// 8 x 2 for both rescaled sweeps measured no faster: 100 against 98.5 ms CPU per call).
 #ifndef RECATTN_CPU_BWD_TILE_ROWS
 #define RECATTN_CPU_BWD_TILE_ROWS 4
 #endif
@@ -472,18 +484,6 @@ inline void load_state(const problem& p, const strided3& st, std::int64_t n, std
     }
 }
 
-/// Asks for the n elements of size es at p to be brought into cache (the next chunk's rows,
-/// while the current one is computed: the inputs are read at a stride of H rows).
-inline void prefetch(const void* p, std::int64_t n, std::size_t es) {
-#if defined(__GNUC__)
-  const char* c = static_cast<const char*>(p);
-  const std::int64_t bytes = n * std::int64_t(es);
-  for (std::int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
-#else
-  (void)p; (void)n; (void)es;
-#endif
-}
-
 inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(a, b) * b; }
 
 }  // namespace detail
@@ -683,17 +683,9 @@ inline cfg cpu_backward_resolve_cfg(const problem& p, const std::optional<cfg>& 
   return resolved;
 }
 
-/// The backward pass for one compiled specialization. `bp` is checked; `c` resolved.
-///
-/// Both sweeps run the forward's rescaled recurrence (recurrence.hpp, rescale_bound): within
-/// a segment the carried matrix is kept divided by the product P of the decays applied since
-/// the segment began (a key-row factor Pr for g, g_gamma, gk; a value-column factor Pc for
-/// gv), so the inner loops do FMAs only, whatever the gates: 3 per state element and token in
-/// the adjoint sweep (dk', dv', the update), 2 in the state sweep (dq', the update). A
-/// segment ends before the token that would take any product out of [e^-20, e^20]; that
-/// token applies the previous products and its own decay to the true matrix as plain
-/// multiplies (a decay of 0 zeroes it exactly). Nothing is ever divided by a decay outside
-/// those bounds; the products scale O(K + V) rows per token.
+/// The backward pass for one compiled specialization. `bp` is checked; `c` resolved. Both
+/// sweeps run the rescaled recurrence (see the top of the file): Pr, Pc below are a head's
+/// current segment products over key rows and value columns.
 template <class T, class Policy>
 void backward_kernel(const backward_problem& bp, const cfg& c) {
   using Acc = accum_t<T>;
