@@ -25,48 +25,23 @@
 
 #include <recattn/recattn.hpp>
 
+#include "cuda_bench_common.cuh"
+
 namespace {
 
 using recattn::dtype;
 
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
-__device__ float hash_uniform(std::uint64_t i, std::uint64_t seed) {
-  std::uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xD1B54A32D192ED03ull;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return float(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-}
-
-/// Random inputs: normal-ish values (kind 0) or log-sigmoid gates (kind 1).
-template <class T>
-__global__ void fill_kernel(T* p, std::int64_t n, std::uint64_t seed, int kind) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float u = hash_uniform(std::uint64_t(i), seed);
-    float x;
-    if (kind == 0) x = 3.4641016f * (u - 0.5f);       // unit variance
-    else x = -log1pf(expf(-(1.0f + 4.0f * u)));       // log(sigmoid(x)), x in [1, 5]
-    if constexpr (std::is_same<T, float>::value) p[i] = x;
-    else p[i] = T(x);
-  }
-}
+using recattn_bench::fill_kind;
+using recattn_bench::ok;
 
 struct buffer {
   void* p = nullptr;
   std::size_t bytes = 0;
   buffer() = default;
-  buffer(dtype t, std::int64_t n, std::uint64_t seed, int kind) : bytes(std::size_t(n) * recattn::dtype_size(t)) {
+  buffer(dtype t, std::int64_t n, std::uint64_t seed, fill_kind kind) : bytes(std::size_t(n) * recattn::dtype_size(t)) {
     ok(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    const int blocks = 1024, threads = 256;
-    if (t == dtype::bfloat16) fill_kernel<<<blocks, threads>>>(static_cast<recattn::bfloat16*>(p), n, seed, kind);
-    else fill_kernel<<<blocks, threads>>>(static_cast<float*>(p), n, seed, kind);
-    ok(cudaGetLastError(), "fill");
+    if (t == dtype::bfloat16) recattn_bench::fill(static_cast<recattn::bfloat16*>(p), n, seed, kind);
+    else recattn_bench::fill(static_cast<float*>(p), n, seed, kind);
   }
   buffer(const buffer&) = delete;
   buffer& operator=(const buffer&) = delete;
@@ -109,37 +84,37 @@ struct prepared {
     const std::int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V;
     N = c.varlen_seqs ? c.varlen_seqs : B;
     const std::int64_t tok = B * T;
-    q = buffer(t, tok * H * K, 1, 0);
-    k = buffer(t, tok * H * K, 2, 0);
-    v = buffer(t, tok * H * V, 3, 0);
-    out = buffer(t, tok * H * V, 4, 0);
-    ht = buffer(dtype::float32, N * H * K * V, 5, 0);
+    q = buffer(t, tok * H * K, 1, fill_kind::unit);
+    k = buffer(t, tok * H * K, 2, fill_kind::unit);
+    v = buffer(t, tok * H * V, 3, fill_kind::unit);
+    out = buffer(t, tok * H * V, 4, fill_kind::unit);
+    ht = buffer(dtype::float32, N * H * K * V, 5, fill_kind::unit);
     const unsigned m = gate_mask(c.gate);
     const double es = double(recattn::dtype_size(t));
     bytes = es * double(tok * H) * double(2 * K + 2 * V) + 4.0 * double(N * H * K * V);
     opt.platform = recattn::platform::cuda;
     opt.return_state = true;
     if (m & recattn::gate_g) {
-      g = buffer(t, tok * H, 6, 1);
+      g = buffer(t, tok * H, 6, fill_kind::log_sigmoid);
       opt.g = recattn::tensor_view(g.p, t, {B, T, H});
       bytes += es * double(tok * H);
     }
     if (m & recattn::gate_g_gamma) {
-      gg = buffer(t, H, 7, 1);
+      gg = buffer(t, H, 7, fill_kind::log_sigmoid);
       opt.g_gamma = recattn::tensor_view(gg.p, t, {H});
     }
     if (m & recattn::gate_gk) {
-      gk = buffer(t, tok * H * K, 8, 1);
+      gk = buffer(t, tok * H * K, 8, fill_kind::log_sigmoid);
       opt.gk = recattn::tensor_view(gk.p, t, {B, T, H, K});
       bytes += es * double(tok * H * K);
     }
     if (m & recattn::gate_gv) {
-      gv = buffer(t, tok * H * V, 9, 1);
+      gv = buffer(t, tok * H * V, 9, fill_kind::log_sigmoid);
       opt.gv = recattn::tensor_view(gv.p, t, {B, T, H, V});
       bytes += es * double(tok * H * V);
     }
     if (c.initial_state) {
-      h0 = buffer(dtype::float32, N * H * K * V, 10, 0);
+      h0 = buffer(dtype::float32, N * H * K * V, 10, fill_kind::unit);
       opt.initial_state = recattn::tensor_view(h0.p, dtype::float32, {N, H, K, V});
       bytes += 4.0 * double(N * H * K * V);
     }
@@ -177,40 +152,11 @@ void run_bench(benchmark::State& state, const bench_case& bc, std::optional<reca
     cfg = c;
   }
   pr.opt.cfg = cfg;
-  for (int i = 0; i < 3; ++i) pr.call();  // warm-up: module load, first-touch
-  ok(cudaDeviceSynchronize(), "warm-up");
-  // Launches per timed iteration: about 20 ms of work.
-  cudaEvent_t e0, e1;
-  ok(cudaEventCreate(&e0), "event");
-  ok(cudaEventCreate(&e1), "event");
-  ok(cudaEventRecord(e0), "record");
-  pr.call();
-  ok(cudaEventRecord(e1), "record");
-  ok(cudaEventSynchronize(e1), "sync");
-  float one = 0;
-  ok(cudaEventElapsedTime(&one, e0, e1), "elapsed");
-  const int launches = std::max(1, std::min(200, int(20.0f / std::max(one, 1e-3f))));
-  double total_ms = 0;
-  std::int64_t calls = 0;
-  for (auto _ : state) {
-    ok(cudaEventRecord(e0), "record");
-    for (int i = 0; i < launches; ++i) pr.call();
-    ok(cudaEventRecord(e1), "record");
-    ok(cudaEventSynchronize(e1), "sync");
-    float ms = 0;
-    ok(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-    state.SetIterationTime(double(ms) / 1e3 / launches);
-    total_ms += ms;
-    calls += launches;
-  }
-  ok(cudaGetLastError(), "run");
-  const double ms = total_ms / double(std::max<std::int64_t>(calls, 1));
+  const double ms = recattn_bench::time_calls(state, [&] { pr.call(); }, 20.0f, 3);
   state.counters["ms"] = ms;
   state.counters["tok_heads_per_s"] = double(bc.B * bc.T * bc.H) / (ms / 1e3);
   state.counters["GB/s"] = pr.bytes / (ms / 1e3) / 1e9;
   state.SetLabel(recattn::cuda::resolve_cfg(pr.problem(), cfg).str());
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 std::string case_name(const bench_case& c) {

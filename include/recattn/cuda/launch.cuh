@@ -108,11 +108,18 @@ inline const char* chunked_unsupported(const problem& p) {
 }
 
 /// Tokens per sequence from which the chunked kernel is the automatic choice.
-inline constexpr std::int64_t chunked_min_tokens = 256;
+/// Measured on an H200 (bench/README.md, 2026-12-03): the phase-1 chunked kernel takes 2.1 to
+/// 2.7 times the recurrent kernel's time on every issue-8 shape, so the automatic choice stays
+/// recurrent (0: never chunked) until it is faster; cfg.algo = chunked forces it, and
+/// candidate_cfgs lists it for an autotuner. RECATTN_CUDA_CHUNKED_MIN_TOKENS sets the threshold.
+#ifndef RECATTN_CUDA_CHUNKED_MIN_TOKENS
+#define RECATTN_CUDA_CHUNKED_MIN_TOKENS 0
+#endif
+inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKENS;
 
 inline bool chunked_pays(const problem& p) {
   const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
-  return per_seq >= chunked_min_tokens;
+  return chunked_min_tokens > 0 && per_seq >= chunked_min_tokens;
 }
 
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) { return make_chunked_layout(p.K, bv, chunk).bytes; }
