@@ -322,6 +322,10 @@ struct lane_sums {
   static constexpr std::size_t W = B::size;
   std::array<int, W> where{};  ///< haddp's output lane of row r's sum
   bool permutation = true;
+  bool identity = false;  ///< where[r] == r
+#if defined(__AVX512F__)
+  alignas(64) std::int32_t where32[16] = {};  ///< where, for one vector permute (float)
+#endif
 
   static const lane_sums& get() {
     static const lane_sums s;
@@ -348,6 +352,11 @@ struct lane_sums {
         where[r] = found;
       }
     }
+    identity = permutation;
+    for (std::size_t r = 0; r < W; ++r) identity = identity && where[r] == int(r);
+#if defined(__AVX512F__)
+    for (std::size_t r = 0; r < W && r < 16; ++r) where32[r] = where[r];
+#endif
   }
 
   /// out[r] = sum of the lanes of part[r] for r in [0, W).
@@ -355,8 +364,17 @@ struct lane_sums {
     if (permutation) {
       B rows[W];
       for (std::size_t r = 0; r < W; ++r) rows[r] = B::load_aligned(part + r * W);
+      const B sums = xsimd::haddp(rows);
+      if (identity) return sums.store_unaligned(out);
+#if defined(__AVX512F__)
+      // One vector permute instead of W scalar copies (xsimd 8.1's AVX-512 haddp permutes).
+      if constexpr (std::is_same_v<Acc, float> && W == 16) {
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_load_si512(where32), sums));
+        return;
+      }
+#endif
       alignas(64) Acc h[W];
-      xsimd::haddp(rows).store_aligned(h);
+      sums.store_aligned(h);
       for (std::size_t r = 0; r < W; ++r) out[r] = h[where[r]];
     } else {
       for (std::size_t r = 0; r < W; ++r) out[r] = xsimd::hadd(B::load_aligned(part + r * W));
