@@ -71,36 +71,42 @@ backward_result allocate_grads_and_run(const tensor_view& q, const tensor_view& 
 
 }  // namespace detail
 
-inline void RecurrentAttention::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                                         const forward_options& opt, const output_grads& grads,
-                                         const backward_outputs& outs) const {
+template <class Backend>
+void RecurrentAttention::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                  const forward_options& opt, const output_grads& grads,
+                                  const backward_outputs& outs) const {
   const backward_problem bp = make_backward_problem(q, k, v, opt, grads, &outs);
   const recattn::platform pl = detail::resolve_backward_platform(pick(opt), bp.fwd);
   const cfg c = cpu::cpu_backward_resolve_cfg(bp.fwd, opt.cfg, detail::resolve_cfg(pl, bp.fwd, opt.cfg));
-  detail::dispatch_backward<detail::cpu_backward_backend>(bp, c);
+  detail::dispatch_backward<Backend>(bp, c);
 }
 
-inline backward_result RecurrentAttention::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                                                    const forward_options& opt, const output_grads& grads) const {
-  return detail::allocate_grads_and_run(q, k, v, opt, grads, output_kind::native,
-                                        [&](const backward_outputs& outs) { backward(q, k, v, opt, grads, outs); });
+template <class Backend>
+backward_result RecurrentAttention::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                             const forward_options& opt, const output_grads& grads) const {
+  return detail::allocate_grads_and_run(q, k, v, opt, grads, output_kind::native, [&](const backward_outputs& outs) {
+    this->template backward<Backend>(q, k, v, opt, grads, outs);
+  });
 }
 
 /// recurrent_attention_backward(q, k, v, options, {dO, d_final_state}) -> gradients.
 /// `options` are the forward call's (the same tensors, scale, direction, layout); the
 /// gradient of an input of fewer heads than H sums over the heads that share it, and a
-/// g_gamma of shape [H] gets the sum over sequences.
-inline backward_result recurrent_attention_backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                                                    const forward_options& opt, const output_grads& grads) {
-  return RecurrentAttention().backward(q, k, v, opt, grads);
+/// g_gamma of shape [H] gets the sum over sequences. (Templates, like RecurrentAttention's
+/// members, so that a translation unit compiles the backward kernels only where it calls them.)
+template <class Backend = detail::cpu_backward_backend>
+backward_result recurrent_attention_backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                             const forward_options& opt, const output_grads& grads) {
+  return RecurrentAttention().backward<Backend>(q, k, v, opt, grads);
 }
 
 /// Backward into caller-owned gradient buffers. Every argument is checked first: on a
 /// recattn::Error the buffers are untouched.
-inline void recurrent_attention_backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                                         const forward_options& opt, const output_grads& grads,
-                                         const backward_outputs& outs) {
-  RecurrentAttention().backward(q, k, v, opt, grads, outs);
+template <class Backend = detail::cpu_backward_backend>
+void recurrent_attention_backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                  const forward_options& opt, const output_grads& grads,
+                                  const backward_outputs& outs) {
+  RecurrentAttention().backward<Backend>(q, k, v, opt, grads, outs);
 }
 
 /// The scalar double-precision reference gradient (per-token states kept): every gradient

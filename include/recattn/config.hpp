@@ -42,3 +42,8 @@
 //   RECATTN_DISABLE_FLOAT16      no half inputs
 //   RECATTN_GATE_MASK_ONLY=m     compile only the gate combination with bit mask m
 //                                (bit 0 g, 1 g_gamma, 2 gk, 3 gv)
+//   RECATTN_DISABLE_CPU_FORWARD  no CPU forward kernel at all (CUDA-only translation units)
+
+#ifndef RECATTN_DISABLE_CPU_FORWARD
+#define RECATTN_DISABLE_CPU_FORWARD 0
+#endif

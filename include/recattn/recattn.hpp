@@ -47,8 +47,18 @@ struct cpu_backend {
   static void forward(const problem& p, const cfg& c) { cpu::forward_kernel<T, Policy>(p, c); }
 };
 
+/// RECATTN_DISABLE_CPU_FORWARD=1: this translation unit compiles no CPU forward kernel (a
+/// CUDA-only unit, such as the CUDA tests, which check against the scalar reference, and
+/// benchmarks); a forward that would run on the CPU is then a recattn::Error.
 inline void run_cpu(const problem& p, const cfg& c, const forward_options&) {
+#if RECATTN_DISABLE_CPU_FORWARD
+  (void)p;
+  (void)c;
+  fail("platform", "cuda (this translation unit was compiled with RECATTN_DISABLE_CPU_FORWARD: no CPU forward kernels)",
+       "cpu");
+#else
   dispatch_forward<cpu_backend>(p, c);
+#endif
 }
 
 /// platform::automatic -> cuda for device pointers (when compiled by nvcc), else cpu.
@@ -68,6 +78,16 @@ inline platform resolve_platform(platform requested, const problem& p) {
          "cuda");
   return platform::cpu;
 #endif
+}
+
+/// The platform a forward call runs on: resolve_platform, and an Error for the CPU in a
+/// translation unit compiled without the CPU forward kernels.
+inline platform forward_platform(platform requested, const problem& p) {
+  const platform pl = resolve_platform(requested, p);
+  if (RECATTN_DISABLE_CPU_FORWARD && pl == platform::cpu)
+    fail("platform", "cuda (this translation unit was compiled with RECATTN_DISABLE_CPU_FORWARD: no CPU forward kernels)",
+         "cpu");
+  return pl;
 }
 
 inline forward_impl impl_for(platform pl) {
@@ -114,6 +134,9 @@ forward_result allocate_and_run(const tensor_view& q, const tensor_view& k, cons
 }  // namespace detail
 
 struct backward_result;  // backward.hpp
+namespace detail {
+struct cpu_backward_backend;  // backward.hpp
+}  // namespace detail
 struct step_options;     // step_problem.hpp
 
 /// The recurrent-attention kernel object, with ejkernel's roles: `run`, `heuristic_cfg`,
@@ -127,7 +150,7 @@ class RecurrentAttention {
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const forward_options& opt,
            const forward_outputs& outs) const {
     const problem p = make_problem(q, k, v, opt, &outs);
-    const recattn::platform pl = detail::resolve_platform(pick(opt), p);
+    const recattn::platform pl = detail::forward_platform(pick(opt), p);
     const cfg c = detail::resolve_cfg(pl, p, opt.cfg);
     detail::impl_for(pl).run(p, c, opt);
   }
@@ -140,11 +163,15 @@ class RecurrentAttention {
                                     [&](const forward_outputs& outs) { run(q, k, v, opt, outs); });
   }
 
-  /// Backward (SPEC §3.2) into caller-owned gradient buffers; defined in backward.hpp.
+  /// Backward (SPEC §3.2) into caller-owned gradient buffers; defined in backward.hpp. A
+  /// template (on the backend, never given by callers) only so that translation units that
+  /// never call it never compile its kernels, like step.
+  template <class Backend = detail::cpu_backward_backend>
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v, const forward_options& opt,
                 const output_grads& grads, const backward_outputs& outs) const;
 
   /// Backward returning newly allocated gradients; defined in backward.hpp.
+  template <class Backend = detail::cpu_backward_backend>
   backward_result backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                            const forward_options& opt, const output_grads& grads) const;
 
@@ -215,7 +242,7 @@ inline std::string can_implement(const tensor_view& q, const tensor_view& k, con
                                  const forward_options& opt, const forward_outputs& outs) {
   try {
     const problem p = make_problem(q, k, v, opt, &outs);
-    const platform pl = detail::resolve_platform(opt.platform, p);
+    const platform pl = detail::forward_platform(opt.platform, p);
     (void)detail::resolve_cfg(pl, p, opt.cfg);
   } catch (const Error& e) {
     return e.what();

@@ -696,7 +696,7 @@ inline std::int64_t tile_count(std::int64_t rows, std::int64_t cols_p) {
 
 /// The backward's cfg: the forward's resolution (cpu_resolve_cfg), with the backward's own
 /// chunk where the caller left it to the heuristic.
-inline cfg cpu_backward_resolve_cfg(const problem& p, const std::optional<cfg>& user, cfg resolved) {
+inline cfg cpu_backward_resolve_cfg(const problem& /*p*/, const std::optional<cfg>& user, cfg resolved) {
   if (!user || user->chunk == 0) resolved.chunk = RECATTN_CPU_BWD_CHUNK;
   return resolved;
 }
