@@ -59,7 +59,10 @@ if(RECATTN_BUILD_FUZZERS)
   endif()
   # Coverage instrumentation without libFuzzer's main (the sanitizer runtime has no-op hooks
   # for the replay executable); the build's own -fsanitize flags add ASan and UBSan.
-  target_compile_options(recattn_fuzz_forward PRIVATE -fsanitize=fuzzer-no-link)
+  # The harness's checking loops, the test support, the scalar reference and the standard
+  # library are left uninstrumented (tests/fuzz/coverage-ignorelist.txt says why).
+  target_compile_options(recattn_fuzz_forward PRIVATE -fsanitize=fuzzer-no-link
+    "-fsanitize-coverage-ignorelist=${CMAKE_CURRENT_SOURCE_DIR}/fuzz/coverage-ignorelist.txt")
 endif()
 
 # The corpus and every regression input, replayed through the fuzz target's entry point.

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <list>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -100,25 +101,55 @@ const char* bad_name(int b) {
   return b >= 0 && b < step_bad_count ? names[b] : "?";
 }
 
-/// Flat element `e` of a buffer set to x.
+}  // namespace
+
+// The harness's own helpers, outside the anonymous namespace so that
+// tests/fuzz/coverage-ignorelist.txt can name them (fuzz_helpers): the fuzzer's coverage
+// is the library's and run_one's, not that of the loops that check a result.
+namespace fuzz_helpers {
+
+/// Calls f(index) for every multi-index of `shape` (rank <= 4) in row-major order: the
+/// order of for_each_index, in plain nested loops.
+template <class F>
+void walk(const std::vector<std::int64_t>& shape, F&& f) {
+  std::int64_t n[max_rank] = {1, 1, 1, 1};
+  const std::size_t rank = shape.size(), pad = max_rank - rank;
+  for (std::size_t d = 0; d < rank; ++d) {
+    if (shape[d] <= 0) return;
+    n[pad + d] = shape[d];
+  }
+  idx i{};
+  std::int64_t* at[max_rank];
+  idx scratch{};
+  for (std::size_t d = 0; d < max_rank; ++d) at[d] = d < pad ? &scratch[d] : &i[d - pad];
+  for (*at[0] = 0; *at[0] < n[0]; ++*at[0])
+    for (*at[1] = 0; *at[1] < n[1]; ++*at[1])
+      for (*at[2] = 0; *at[2] < n[2]; ++*at[2])
+        for (*at[3] = 0; *at[3] < n[3]; ++*at[3]) f(static_cast<const idx&>(i));
+}
+
+/// Flat element `e` (modulo numel, row-major) of a buffer set to x.
 void set_flat(buffer& b, std::uint64_t e, double x) {
   const std::int64_t n = b.numel();
   if (n <= 0) return;
-  std::int64_t target = std::int64_t(e % std::uint64_t(n)), c = 0;
-  for_each_index(b.shape(), [&](const idx& i) {
-    if (c++ == target) b.set(i, x);
-  });
+  std::int64_t rest = std::int64_t(e % std::uint64_t(n));
+  idx i{};
+  for (int d = b.rank() - 1; d >= 0; --d) {
+    i[std::size_t(d)] = rest % b.size(d);
+    rest /= b.size(d);
+  }
+  b.set(i, x);
 }
 
 buffer abs_copy(const tensor_view& t) {
   buffer b = buffer::copy_of(t);
-  for_each_index(b.shape(), [&](const idx& i) { b.set(i, std::fabs(b.get(i))); });
+  walk(b.shape(), [&](const idx& i) { b.set(i, std::fabs(b.get(i))); });
   return b;
 }
 
 double sq_norm(const tensor_view& t) {
   double s = 0;
-  for_each_index(t.shape_vec(), [&](const idx& i) {
+  walk(t.shape_vec(), [&](const idx& i) {
     const double x = element(t, i);
     s += x * x;
   });
@@ -128,11 +159,121 @@ double sq_norm(const tensor_view& t) {
 /// ||a - b||^2 over all elements.
 double sq_diff(const tensor_view& a, const tensor_view& b) {
   double s = 0;
-  for_each_index(a.shape_vec(), [&](const idx& i) {
+  walk(a.shape_vec(), [&](const idx& i) {
     const double x = element(a, i) - element(b, i);
     s += x * x;
   });
   return s;
+}
+
+/// testing::gaps_untouched (every storage byte outside an element still holds the sentinel)
+/// without its vector<bool> of bytes.
+bool gaps_clean(const buffer& b) {
+  const std::size_t es = dtype_size(b.type()), slots = b.bytes().size() / es;
+  std::vector<unsigned char> element(slots, 0);
+  walk(b.shape(), [&](const idx& i) { element[std::size_t(b.offset(i))] = 1; });
+  const unsigned char* p = b.bytes().data();
+  for (std::size_t e = 0; e < slots; ++e)
+    if (!element[e])
+      for (std::size_t c = 0; c < es; ++c)
+        if (p[e * es + c] != sentinel_byte) return false;
+  return true;
+}
+
+/// testing::rng's normal() as libstdc++ computes it (std::normal_distribution's polar method
+/// over std::generate_canonical), without generate_canonical's logl per draw, which was the
+/// largest single cost of an execution; integer() is testing::rng's. fast_rng_exact() checks
+/// that both give the same numbers, bit for bit, and generate_fast is used only then.
+class fast_rng {
+ public:
+  /// exact false: std::normal_distribution's own draws (fast_rng_exact() said they differ).
+  explicit fast_rng(std::uint64_t seed, bool exact = true) : gen_(seed), exact_(exact) {}
+  double normal() {
+    if (!exact_) return std::normal_distribution<double>(0.0, 1.0)(gen_);
+    double x, y, r2;
+    do {
+      x = 2.0 * canonical() - 1.0;
+      y = 2.0 * canonical() - 1.0;
+      r2 = x * x + y * y;
+    } while (r2 > 1.0 || r2 == 0.0);
+    const double mult = std::sqrt(-2 * std::log(r2) / r2);
+    return y * mult * 1.0 + 0.0;
+  }
+  std::int64_t integer(std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(gen_); }
+
+ private:
+  double canonical() {
+    const double r = double(gen_() - std::mt19937_64::min()) / 18446744073709551616.0;
+    return r >= 1.0 ? std::nextafter(1.0, 0.0) : r;
+  }
+  std::mt19937_64 gen_;
+  bool exact_;
+};
+
+/// testing::generate with fast_rng: the same draws in the same order.
+problem_data generate_fast(const problem_spec& s) {
+  fast_rng r(s.seed);
+  auto gaps = [&](int rank) {
+    std::vector<std::int64_t> g;
+    if (s.strided)
+      for (int j = 0; j + 1 < rank; ++j) g.push_back(j + 1 + r.integer(0, 3));
+    return g;
+  };
+  auto normal = [&](const idx&) { return r.normal(); };
+  auto gate = [&](const idx&) { return log_sigmoid(s.gate_bias + r.normal()); };
+  problem_data d;
+  d.spec = s;
+  const std::int64_t H = s.H();
+  d.q = buffer(s.type, {s.B, s.T, s.Hq, s.K}, gaps(4)).fill(normal);
+  d.k = buffer(s.type, {s.B, s.T, s.Hk, s.K}, gaps(4)).fill(normal);
+  d.v = buffer(s.type, {s.B, s.T, s.Hv, s.V}, gaps(4)).fill(normal);
+  if (s.gates & gate_g) d.g = buffer(s.gate_type(), {s.B, s.T, H}, gaps(3)).fill(gate);
+  if (s.gates & gate_g_gamma) {
+    d.g_gamma = s.g_gamma_per_sequence ? buffer(s.gate_type(), {s.N(), H}, gaps(2)) : buffer(s.gate_type(), {H});
+    d.g_gamma.fill(gate);
+  }
+  if (s.gates & gate_gk) d.gk = buffer(s.gate_type(), {s.B, s.T, H, s.K}, gaps(4)).fill(gate);
+  if (s.gates & gate_gv) d.gv = buffer(s.gate_type(), {s.B, s.T, H, s.V}, gaps(4)).fill(gate);
+  if (s.initial_state) d.initial_state = buffer(s.state_type(), s.state_shape(), gaps(4)).fill(normal);
+  if (s.varlen()) {
+    const std::vector<std::int64_t> cu = s.cu_seqlens();
+    d.cu_seqlens = buffer(s.cu_type, {std::int64_t(cu.size())});
+    d.cu_seqlens.fill([&](const idx& i) { return double(cu[std::size_t(i[0])]); });
+  }
+  return d;
+}
+
+/// Whether fast_rng and generate_fast give testing::rng's and testing::generate's numbers,
+/// bit for bit (checked once per process): otherwise the harness uses those.
+bool fast_rng_exact() {
+  for (std::uint64_t seed : {1u, 2u, 77u, 65536u}) {
+    rng a(seed);
+    fast_rng b(seed);
+    for (int i = 0; i < 4000; ++i) {
+      const double x = i % 5 == 4 ? double(a.integer(0, 3 + i % 7)) : a.normal();
+      const double y = i % 5 == 4 ? double(b.integer(0, 3 + i % 7)) : b.normal();
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  }
+  for (int v = 0; v < 8; ++v) {
+    problem_spec s;
+    s.B = 1 + v % 2, s.T = 3 + v, s.Hq = 2, s.Hk = 1 + v % 2, s.Hv = 2, s.K = 3 + v, s.V = 5;
+    s.gates = unsigned(v * 5) & 15u;
+    s.g_gamma_per_sequence = v & 1;
+    s.initial_state = v & 2;
+    s.strided = v & 4;
+    s.gates_in_input_dtype = v & 1;
+    s.gate_bias = v - 2.5;
+    s.seed = 1 + std::uint64_t(v) * 977;
+    if (v == 5) s.with_seqlens({2, 0, 4});
+    const problem_data a = generate(s), b = generate_fast(s);
+    const buffer* x[] = {&a.q, &a.k, &a.v, &a.g, &a.g_gamma, &a.gk, &a.gv, &a.initial_state, &a.cu_seqlens};
+    const buffer* y[] = {&b.q, &b.k, &b.v, &b.g, &b.g_gamma, &b.gk, &b.gv, &b.initial_state, &b.cu_seqlens};
+    for (int t = 0; t < 9; ++t)
+      if (x[t]->present() != y[t]->present() || x[t]->bytes() != y[t]->bytes() || x[t]->strides() != y[t]->strides())
+        return false;
+  }
+  return true;
 }
 
 /// The absolute difference a result may show because its dtype cannot hold values below its
@@ -150,7 +291,7 @@ double underflow_floor(const tensor_view& t) {
 
 bool all_finite(const tensor_view& t) {
   bool ok = true;
-  for_each_index(t.shape_vec(), [&](const idx& i) { ok = ok && std::isfinite(element(t, i)); });
+  walk(t.shape_vec(), [&](const idx& i) { ok = ok && std::isfinite(element(t, i)); });
   return ok;
 }
 
@@ -165,6 +306,12 @@ bool element_is_sentinel(const buffer& b, const idx& i) {
   return std::all_of(b.bytes().begin() + std::ptrdiff_t(at), b.bytes().begin() + std::ptrdiff_t(at + es),
                      [](unsigned char x) { return x == sentinel_byte; });
 }
+
+}  // namespace fuzz_helpers
+
+namespace {
+
+using namespace fuzz_helpers;
 
 struct snapshot {
   std::vector<const buffer*> bufs;
@@ -278,7 +425,13 @@ int run_one(const std::uint8_t* data, std::size_t size) {
   // A step's pool: spare slots beyond one per row, state_indices or none, padding rows.
   const std::uint8_t pool_byte = c.step ? r.u8() : 0, padding_byte = c.step ? r.u8() : 0;
 
-  c.d = generate(s);
+  static const bool fast = [] {
+    const bool exact = fast_rng_exact();
+    std::fprintf(stderr, exact ? "fuzz_forward: values from fast_rng (bit-identical to testing::rng)\n"
+                               : "fuzz_forward: fast_rng differs from testing::rng here: using testing::generate\n");
+    return exact;
+  }();
+  c.d = fast ? generate_fast(s) : generate(s);
   problem_data& d = c.d;
   // Non-finite values: q, k, v, g, g_gamma, gk, gv, initial_state.
   buffer* poisonable[] = {&d.q, &d.k, &d.v, &d.g, &d.g_gamma, &d.gk, &d.gv, &d.initial_state};
@@ -326,7 +479,7 @@ int run_one(const std::uint8_t* data, std::size_t size) {
     slot_of.resize(std::size_t(N));
     std::vector<std::int64_t> perm(static_cast<std::size_t>(P));
     for (std::int64_t i = 0; i < P; ++i) perm[std::size_t(i)] = i;
-    rng pr(s.seed + 3);
+    fast_rng pr(s.seed + 3, fast);
     if (with_indices)
       for (std::int64_t i = P - 1; i > 0; --i) std::swap(perm[std::size_t(i)], perm[std::size_t(pr.integer(0, i))]);
     for (std::int64_t n = 0; n < N; ++n)
@@ -363,7 +516,7 @@ int run_one(const std::uint8_t* data, std::size_t size) {
   backward_outputs bo;
   output_grads og;
   if (c.backward) {
-    rng rr(s.seed + 7);
+    fast_rng rr(s.seed + 7, fast);
     dO = buffer(s.type, s.output_shape()).fill([&](const idx&) { return rr.normal(); });
     if (c.with_dht) dht = buffer(s.state_type(), s.state_shape()).fill([&](const idx&) { return rr.normal(); });
     og.d_output = dO.view();
@@ -696,7 +849,7 @@ int run_one(const std::uint8_t* data, std::size_t size) {
   }
   if (applied) failure("bad argument accepted: " + what);
   if (c.compiled_out) failure("a dtype this build cut was accepted: " + what);
-  if (!gaps_untouched(out) || !gaps_untouched(state) || (pool.present() && !gaps_untouched(pool)))
+  if (!gaps_clean(out) || !gaps_clean(state) || (pool.present() && !gaps_clean(pool)))
     failure("a stride gap of an output was written: " + what);
   std::vector<bool> padding(std::size_t(s.N()), false);
   if (c.step) {
@@ -825,7 +978,7 @@ int run_one(const std::uint8_t* data, std::size_t size) {
   for (const cmp& x : cmps) {
     if (!x.got->present()) continue;
     if (!x.want) failure(std::string("no reference for ") + x.name + ": " + what);
-    if (!gaps_untouched(*x.got)) failure(std::string("a stride gap of ") + x.name + " was written: " + what);
+    if (!gaps_clean(*x.got)) failure(std::string("a stride gap of ") + x.name + " was written: " + what);
     if (!all_finite(*x.got)) failure(std::string("non-finite ") + x.name + " from finite inputs: " + what);
     const double dd = std::sqrt(sq_diff(*x.got, *x.want)), nn = std::sqrt(sq_norm(*x.want));
     const double mm = x.gate ? gate_mag : nrm(*x.m);
@@ -839,3 +992,13 @@ int run_one(const std::uint8_t* data, std::size_t size) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) { return run_one(data, size); }
+
+// libFuzzer calls this once before the first input (the replay executable does not). OpenMP
+// workers sleep as soon as a parallel region ends instead of spinning for libomp's default
+// 200 ms: an execution's threaded call is over in microseconds, and the spinning workers
+// took a fifth of the fuzzer's CPU time on two shared cores (an environment setting of
+// KMP_BLOCKTIME wins). The calls still run on cfg.threads workers (0: every hardware thread).
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  setenv("KMP_BLOCKTIME", "0", 0);
+  return 0;
+}
