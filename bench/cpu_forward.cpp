@@ -14,6 +14,12 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+#endif
+
 #include <recattn/recattn.hpp>
 #include <xsimd/xsimd.hpp>
 
@@ -36,7 +42,27 @@ double fma_probe_thread(std::int64_t iters) {
   return double(iters) * 16 * B::size * 2;
 }
 
-/// Measured peak float FMA GFLOP/s on `threads` threads (best of 5 runs).
+/// Pins the calling thread to the `index`-th CPU the process may run on (Linux; elsewhere
+/// nothing). Unpinned, the scheduler can put both probe threads on one CPU while another
+/// session's job holds the other (seen here: 2 threads measured 229 GFLOP/s, the same as 1,
+/// and the percentages against it were inflated).
+void pin_to_cpu(int index) {
+#if defined(__linux__)
+  // The online CPUs, not this thread's mask: OMP_PROC_BIND may have bound the main thread
+  // (and so the threads it starts) to one CPU. A CPU the process may not use is refused.
+  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  if (cpus < 1) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(int(index % cpus), &one);
+  pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+#else
+  (void)index;
+#endif
+}
+
+/// Measured peak float FMA GFLOP/s on `threads` threads (best of 5 runs), each thread on its
+/// own CPU.
 double fma_peak_gflops(int threads) {
   static std::map<int, double> cache;
   auto it = cache.find(threads);
@@ -47,7 +73,10 @@ double fma_peak_gflops(int threads) {
     std::vector<std::thread> pool;
     std::vector<double> flops(static_cast<std::size_t>(threads), 0.0);
     const auto t0 = clock_type::now();
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { flops[std::size_t(t)] = fma_probe_thread(iters); });
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] {
+        pin_to_cpu(t);
+        flops[std::size_t(t)] = fma_probe_thread(iters);
+      });
     for (auto& th : pool) th.join();
     const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
     double total = 0;

@@ -18,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include <xsimd/xsimd.hpp>
@@ -110,16 +111,34 @@ struct segment_factors {
   }
 };
 
+/// Tokens of a register tile between two calls of the scan's prefetch (a few lines each):
+/// spread thin, the prefetches do not fill the core's miss buffers in bursts.
+#ifndef RECATTN_CPU_PREFETCH_EVERY
+#define RECATTN_CPU_PREFETCH_EVERY 8
+#endif
+/// Elements left between a worker's scratch buffers (one cache line of floats).
+#ifndef RECATTN_CPU_SKEW
+#define RECATTN_CPU_SKEW std::int64_t(xsimd::batch<Acc, arch>::size)
+#endif
+/// 1: each head's chunk is staged right before its scan (the staged rows stay in L1);
+/// 0: the whole head group's chunk is staged first (the kernel before 2026-12-04).
+#ifndef RECATTN_CPU_STAGE_PER_HEAD
+#define RECATTN_CPU_STAGE_PER_HEAD 1
+#endif
+
 /// The recurrence over L staged tokens for one register tile, in the rescaled form
 /// (see stage_group): per state element s += k' v' and o += q' s, two FMAs, for every gate
 /// policy. R key rows x NV SIMD registers of value columns of the state stay in registers
 /// for the whole segment. Each row tile adds its rows' share of q' . S into the partial
 /// outputs `os` ([L][ldv]), in P independent sums so the FMA chain per output register is
-/// R / P long rather than R.
+/// R / P long rather than R. The first row tile (First) starts the sums at zero instead of
+/// reading os; the last (Last) writes the finished outputs to orows[l] + ocol instead of os.
+/// `prefetch()` is called every RECATTN_CPU_PREFETCH_EVERY tokens (see prefetch_queue).
 /// qs, ks: [L][ldk] at the tile's first row; vs: [L][ldv] at its first column; S: [R][lds].
-template <class Acc, int R, int NV>
+template <class Acc, int R, int NV, bool First, bool Last, class Prefetch>
 inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, std::int64_t ldk, const Acc* vs, std::int64_t ldv,
-                      Acc* S, std::int64_t lds, Acc* os, const segment_factors<Acc>& f) {
+                      Acc* S, std::int64_t lds, Acc* os, const segment_factors<Acc>& f, Acc* const* orows,
+                      std::int64_t ocol, Prefetch& prefetch) {
   using B = xsimd::batch<Acc, arch>;
   constexpr std::int64_t W = std::int64_t(B::size);
   constexpr int P = R >= 4 ? 2 : 1;
@@ -137,12 +156,14 @@ inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, std::int64_t
       for (int i = 0; i < R; ++i) s[i][j] = (s[i][j] * a) * b;
     }
   for (std::int64_t l = 0; l < L; ++l) {
+    if (l % RECATTN_CPU_PREFETCH_EVERY == 0) prefetch();
     const Acc* qr = qs + l * ldk;
     const Acc* kr = ks + l * ldk;
     B v[NV], acc[P][NV];
     for (int j = 0; j < NV; ++j) {
       v[j] = B::load_aligned(vs + l * ldv + j * W);
-      acc[0][j] = B::load_aligned(os + l * ldv + j * W);
+      if constexpr (First) acc[0][j] = B(Acc(0));
+      else acc[0][j] = B::load_aligned(os + l * ldv + j * W);
       for (int p = 1; p < P; ++p) acc[p][j] = B(Acc(0));
     }
     for (int i = 0; i < R; ++i) {
@@ -154,7 +175,8 @@ inline void scan_tile(std::int64_t L, const Acc* qs, const Acc* ks, std::int64_t
     for (int j = 0; j < NV; ++j) {
       B o = acc[0][j];
       for (int p = 1; p < P; ++p) o += acc[p][j];
-      o.store_aligned(os + l * ldv + j * W);
+      if constexpr (Last) o.store_unaligned(orows[l] + ocol + j * W);
+      else o.store_aligned(os + l * ldv + j * W);
     }
   }
   for (int i = 0; i < R; ++i)
@@ -170,23 +192,35 @@ template <class Acc> struct tile_shape {
 /// The recurrence over L staged tokens of one segment for one head's whole state slice
 /// S [K][ldv]: column tiles of NV registers, row tiles of R rows (remainders one row / one
 /// register at a time). `f` applies at the segment's start (all null: none).
-/// `prefetch(n)` is called before each tile (see prefetch_queue).
+/// `prefetch()` issues a few of the next chunk's lines (see scan_tile). `orows` (may be
+/// null): the tokens' output rows (Acc outputs), which the last row tile writes directly.
 template <class Acc, class Prefetch>
 inline void scan(std::int64_t L, std::int64_t K, const Acc* qs, const Acc* ks, std::int64_t ldk, const Acc* vs,
-                 std::int64_t ldv, Acc* S, Acc* os, const segment_factors<Acc>& f, Prefetch&& prefetch) {
+                 std::int64_t ldv, Acc* S, Acc* os, const segment_factors<Acc>& f, Prefetch&& prefetch,
+                 Acc* const* orows = nullptr) {
   constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
   constexpr int R = tile_shape<Acc>::rows, NV = tile_shape<Acc>::regs;
+  // The first row tile starts the outputs' sums at zero, the others add to the partial
+  // outputs os; with `orows`, the last row tile writes the finished outputs to orows[l] (at
+  // the tile's first column) instead of os.
+  auto tile = [&](auto r, auto nv, std::int64_t a, std::int64_t j0) {
+    constexpr int Rc = decltype(r)::value, NVc = decltype(nv)::value;
+    const Acc* qa = qs + a;
+    const Acc* ka = ks + a;
+    const Acc* vj = vs + j0;
+    Acc* Sa = S + a * ldv + j0;
+    Acc* oj = os + j0;
+    const segment_factors<Acc> fa = f.at(a, j0);
+    const bool first = a == 0, last = orows && a + Rc == K;
+    if (first && last) scan_tile<Acc, Rc, NVc, true, true>(L, qa, ka, ldk, vj, ldv, Sa, ldv, oj, fa, orows, j0, prefetch);
+    else if (first) scan_tile<Acc, Rc, NVc, true, false>(L, qa, ka, ldk, vj, ldv, Sa, ldv, oj, fa, nullptr, 0, prefetch);
+    else if (last) scan_tile<Acc, Rc, NVc, false, true>(L, qa, ka, ldk, vj, ldv, Sa, ldv, oj, fa, orows, j0, prefetch);
+    else scan_tile<Acc, Rc, NVc, false, false>(L, qa, ka, ldk, vj, ldv, Sa, ldv, oj, fa, nullptr, 0, prefetch);
+  };
   auto rows = [&](auto nv, std::int64_t j0) {
-    constexpr int NVc = decltype(nv)::value;
     std::int64_t a = 0;
-    for (; a + R <= K; a += R) {
-      prefetch();
-      scan_tile<Acc, R, NVc>(L, qs + a, ks + a, ldk, vs + j0, ldv, S + a * ldv + j0, ldv, os + j0, f.at(a, j0));
-    }
-    for (; a < K; ++a) {
-      prefetch();
-      scan_tile<Acc, 1, NVc>(L, qs + a, ks + a, ldk, vs + j0, ldv, S + a * ldv + j0, ldv, os + j0, f.at(a, j0));
-    }
+    for (; a + R <= K; a += R) tile(std::integral_constant<int, R>{}, nv, a, j0);
+    for (; a < K; ++a) tile(std::integral_constant<int, 1>{}, nv, a, j0);
   };
   std::int64_t j0 = 0;
   for (; j0 + NV * W <= ldv; j0 += NV * W) rows(std::integral_constant<int, NV>{}, j0);
@@ -253,6 +287,10 @@ RECATTN_NOINLINE void unscale_state(Acc* S, std::int64_t K, std::int64_t ld, con
 template <class T>
 constexpr int simd_width() { return int(xsimd::batch<accum_t<T>, arch>::size); }
 
+#ifndef RECATTN_CPU_CHUNK
+#define RECATTN_CPU_CHUNK 32
+#endif
+
 /// Heuristic CPU configuration: enough work items for every thread, tiles that keep the
 /// state slice in L1.
 inline cfg cpu_heuristic_cfg(const problem& p) {
@@ -264,7 +302,7 @@ inline cfg cpu_heuristic_cfg(const problem& p) {
   // Split the value columns further while there are fewer than 2 items per thread.
   while (bv > W && p.N * p.H * ((Vp + bv - 1) / bv) < 2 * c.threads) bv = detail::round_up(bv / 2, W);
   c.block_v = int(bv);
-  c.chunk = 32;
+  c.chunk = RECATTN_CPU_CHUNK;
   return c;
 }
 
@@ -428,23 +466,123 @@ struct group_buffers {
   Acc *run_r, *run_c;    ///< [G][Kp], [G][wp]: R and C of the current segment
   Acc *dr, *dc;          ///< [Kp], [wp]: one token's decays
   Acc* os;               ///< [chunk][wp]: outputs of one head
+  Acc** orows;           ///< [chunk]: output rows of one head (float outputs)
+  Acc* prev;             ///< [Kp]: one head's R before a token (stage_group_float)
+  std::int64_t* hoff;    ///< [4][G]: per head, the offsets of its q, k, v, gk rows at token 0
   unsigned char* starts; ///< [G][chunk]: token starts a segment
   std::int64_t Kp, chunk;
-  Acc* head(Acc* base, std::int64_t j, std::int64_t row) const { return base + j * chunk * row; }
+  bool per_head = false;  ///< one head's chunk staged at a time: all heads share one slot
+  Acc* head(Acc* base, std::int64_t j, std::int64_t row) const { return per_head ? base : base + j * chunk * row; }
+  unsigned char* start_row(std::int64_t j) const { return per_head ? starts : starts + j * chunk; }
 };
+
+/// Whether stage_group_float can stage this item: float inputs (and float gk), whole
+/// registers of K and of the item's value columns, no column decay.
+template <class T, unsigned Gates, class Acc>
+bool can_stage_float(const problem& p, const group_item& it, std::int64_t Kp) {
+  using Pol = forward_policy<Gates, false, false, state_layout::kv>;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float> && !Pol::decay_v)
+    return p.K == Kp && it.w == it.wp && (!Pol::has_gk || p.gk.type == dtype::float32);
+  else
+    return false;
+}
+
+/// stage_group for float inputs in one pass per row (see can_stage_float): q, k and v are
+/// read in place with SIMD loads, the row decays exponentiated, the segment bound checked and
+/// the rescaling applied in the same pass, assuming the token starts no segment; the rare
+/// token that does is redone (q and k as given, R restarted at 1, the factors saved). The
+/// arithmetic is stage_group's, operation for operation.
+template <unsigned Gates, class Acc>
+RECATTN_NOINLINE void stage_group_float(const problem& p, const group_item& it, const std::int64_t* t, std::int64_t cl,
+                                        const Acc* gamma, const group_buffers<Acc>& sb, std::int64_t jb, std::int64_t je) {
+  using Pol = forward_policy<Gates, false, false, state_layout::kv>;
+  using B = xsimd::batch<Acc, arch>;
+  constexpr std::int64_t W = std::int64_t(B::size);
+  const std::int64_t K = p.K, Kp = sb.Kp, wp = it.wp, b = it.batch, G = it.G;
+  const B scale(Acc(p.scale));
+  const B lo(rescale_bound<Acc>::lo), hi(rescale_bound<Acc>::hi);
+  const float* qd = static_cast<const float*>(p.q.data);
+  const float* kd = static_cast<const float*>(p.k.data);
+  const float* vd = static_cast<const float*>(p.v.data);
+  const float* gkd = static_cast<const float*>(p.gk.data);
+  std::int64_t *hq = sb.hoff, *hk = hq + G, *hv = hk + G, *hg = hv + G;
+  for (std::int64_t j = jb; j < je; ++j) {
+    const std::int64_t h = it.h0 + j;
+    hq[j] = p.q.offset(0, 0, h / (p.H / p.Hq));
+    hk[j] = p.k.offset(0, 0, h / (p.H / p.Hk));
+    hv[j] = p.v.offset(0, 0, h / (p.H / p.Hv)) + it.b0;
+    if constexpr (Pol::has_gk) hg[j] = p.gk.offset(0, 0, h);
+  }
+  for (std::int64_t l = 0; l < cl; ++l) {
+    const float* ql = qd + p.q.offset(b, t[l], 0);
+    const float* kl = kd + p.k.offset(b, t[l], 0);
+    const float* vl = vd + p.v.offset(b, t[l], 0);
+    const float* gl = Pol::has_gk ? gkd + p.gk.offset(b, t[l], 0) : nullptr;
+    for (std::int64_t j = jb; j < je; ++j) {
+      const float* qsrc = ql + hq[j];
+      const float* ksrc = kl + hk[j];
+      const float* vsrc = vl + hv[j];
+      Acc* qr = sb.head(sb.qs, j, Kp) + l * Kp;
+      Acc* kr = sb.head(sb.ks, j, Kp) + l * Kp;
+      Acc* vr = sb.head(sb.vs, j, wp) + l * wp;
+      for (std::int64_t c = 0; c < wp; c += W) B::load_unaligned(vsrc + c).store_aligned(vr + c);
+      if constexpr (!Pol::decay_k) {
+        for (std::int64_t a = 0; a < K; a += W) {
+          (B::load_unaligned(qsrc + a) * scale).store_aligned(qr + a);
+          B::load_unaligned(ksrc + a).store_aligned(kr + a);
+        }
+      } else {
+        Acc base = gamma[j];
+        if constexpr (Pol::has_g) base += load_as<Acc>(p.g.data, p.g.type, p.g.offset(b, t[l], it.h0 + j));
+        const B baseb(base);
+        B dconst(Acc(0));
+        if constexpr (!Pol::has_gk) dconst = B(Acc(std::exp(base)));
+        Acc* run = sb.run_r + j * Kp;
+        auto bad = B(Acc(0)) != B(Acc(0));
+        for (std::int64_t a = 0; a < K; a += W) {
+          B d = dconst;
+          if constexpr (Pol::has_gk) d = xsimd::exp(B::load_unaligned(gl + hg[j] + a) + baseb);
+          const B r = B::load_aligned(run + a);
+          const B x = r * d;
+          bad = bad | (x < lo) | (x > hi);
+          d.store_aligned(sb.dr + a);
+          r.store_aligned(sb.prev + a);
+          x.store_aligned(run + a);
+          ((B::load_unaligned(qsrc + a) * scale) * x).store_aligned(qr + a);
+          (B::load_unaligned(ksrc + a) / x).store_aligned(kr + a);
+        }
+        const bool start = xsimd::any(bad);
+        sb.start_row(j)[l] = start;
+        if (start) {  // the token starts a segment: its decay goes to the true state
+          Acc* f1 = sb.head(sb.fr1, j, Kp) + l * Kp;
+          Acc* f2 = sb.head(sb.fr2, j, Kp) + l * Kp;
+          for (std::int64_t a = 0; a < K; a += W) {
+            B::load_aligned(sb.prev + a).store_aligned(f1 + a);
+            B::load_aligned(sb.dr + a).store_aligned(f2 + a);
+            B(Acc(1)).store_aligned(run + a);
+            const B one(Acc(1));
+            ((B::load_unaligned(qsrc + a) * scale) * one).store_aligned(qr + a);
+            (B::load_unaligned(ksrc + a) / one).store_aligned(kr + a);
+          }
+        }
+      }
+    }
+  }
+}
 
 /// Converts the chunk's tokens `t[0..cl)` of every head of the item to Acc, exponentiates
 /// the gates and applies the segment rescaling. Tokens outer, heads inner: the rows of one
 /// token for consecutive heads are adjacent in memory.
 template <class T, unsigned Gates, class Acc>
 RECATTN_NOINLINE void stage_group(const problem& p, const group_item& it, const std::int64_t* t, std::int64_t cl,
-                                  const Acc* gamma, const group_buffers<Acc>& sb) {
+                                  const Acc* gamma, const group_buffers<Acc>& sb, std::int64_t jb, std::int64_t je) {
   using Pol = forward_policy<Gates, false, false, state_layout::kv>;
   const std::int64_t K = p.K, Kp = sb.Kp, wp = it.wp, b = it.batch;
   const Acc scale = Acc(p.scale);
   const Acc lo = rescale_bound<Acc>::lo, hi = rescale_bound<Acc>::hi;
+  if (can_stage_float<T, Gates, Acc>(p, it, Kp)) return stage_group_float<Gates, Acc>(p, it, t, cl, gamma, sb, jb, je);
   for (std::int64_t l = 0; l < cl; ++l)
-    for (std::int64_t j = 0; j < it.G; ++j) {
+    for (std::int64_t j = jb; j < je; ++j) {
       const std::int64_t h = it.h0 + j;
       const std::int64_t hq = h / (p.H / p.Hq), hk = h / (p.H / p.Hk), hv = h / (p.H / p.Hv);
       Acc* qr = sb.head(sb.qs, j, Kp) + l * Kp;
@@ -484,7 +622,7 @@ RECATTN_NOINLINE void stage_group(const problem& p, const group_item& it, const 
           for (std::int64_t c = it.w; c < wp; ++c) sb.dc[c] = Acc(1);
           start = leaves_bound(run_c, sb.dc, wp, lo, hi) || start;
         }
-        sb.starts[j * sb.chunk + l] = start;
+        sb.start_row(j)[l] = start;
         if constexpr (Pol::decay_k) {
           advance_run(run_r, sb.dr, Kp, start, sb.head(sb.fr1, j, Kp) + l * Kp, sb.head(sb.fr2, j, Kp) + l * Kp);
           rescale_rows<Acc>(qr, kr, run_r, Kp);
@@ -516,8 +654,15 @@ struct prefetch_queue {
   const char* at = nullptr;
   std::int64_t lines = 0;  ///< lines in the queue when planned
 
+  std::vector<std::int64_t> offsets;  ///< plan_prefetch's scratch
+
   /// Room for `n` spans, taken before the kernel writes anything.
   explicit prefetch_queue(std::size_t n) { spans.reserve(n); }
+  /// `n` offsets of scratch (reserved by the forward before it writes anything).
+  std::int64_t* head_offsets(std::size_t n) {
+    if (offsets.size() < n) offsets.resize(n);
+    return offsets.data();
+  }
   void clear() { spans.clear(), next = 0, at = nullptr, lines = 0; }
   void add(const void* p, std::size_t bytes) {
     const auto line = [](const char* c) { return reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(c) & ~std::uintptr_t(63)); };
@@ -544,34 +689,59 @@ struct prefetch_queue {
   void issue_all() { issue(std::numeric_limits<std::int64_t>::max()); }
 };
 
-/// Queues every input row that stage_group will read for tokens t[0..cl).
+/// Queues every input row that stage_group will read for tokens t[0..cl), and the output
+/// rows the scan will write (a store to a line not in cache waits for the line).
 template <class T, unsigned Gates>
 RECATTN_NOINLINE void plan_prefetch(const problem& p, const group_item& it, const std::int64_t* t, std::int64_t cl,
                                     prefetch_queue& pq) {
   using Pol = forward_policy<Gates, false, false, state_layout::kv>;
-  const std::int64_t b = it.batch;
+  const std::int64_t b = it.batch, G = it.G;
   const std::size_t kb = std::size_t(p.K) * sizeof(T), vb = std::size_t(it.w) * sizeof(T);
   pq.clear();
-  // Tensor by tensor, so that the rows of consecutive heads merge into one span.
-  for (std::int64_t l = 0; l < cl; ++l) {
-    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
-      pq.add(static_cast<const T*>(p.q.data) + p.q.offset(b, t[l], h / (p.H / p.Hq)), kb);
-    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
-      pq.add(static_cast<const T*>(p.k.data) + p.k.offset(b, t[l], h / (p.H / p.Hk)), kb);
-    for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
-      pq.add(static_cast<const T*>(p.v.data) + p.v.offset(b, t[l], h / (p.H / p.Hv)) + it.b0, vb);
-    if constexpr (Pol::has_gk) {
-      const std::size_t es = dtype_size(p.gk.type);
-      for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
-        pq.add(static_cast<const char*>(p.gk.data) + std::size_t(p.gk.offset(b, t[l], h)) * es, std::size_t(p.K) * es);
-    }
-    if constexpr (Pol::has_gv) {
-      const std::size_t es = dtype_size(p.gv.type);
-      for (std::int64_t h = it.h0; h < it.h0 + it.G; ++h)
-        pq.add(static_cast<const char*>(p.gv.data) + std::size_t(p.gv.offset(b, t[l], h) + it.b0) * es,
-               std::size_t(it.w) * es);
+  // A row's offset is (b, t) + (head); the head parts once per call.
+  constexpr int X = 5;  // q, k, v, gk or gv, output
+  const char* bases[X] = {static_cast<const char*>(p.q.data), static_cast<const char*>(p.k.data),
+                          static_cast<const char*>(p.v.data), nullptr, static_cast<const char*>(p.out.data)};
+  const strided3* ts[X] = {&p.q, &p.k, &p.v, nullptr, &p.out};
+  std::size_t es[X] = {sizeof(T), sizeof(T), sizeof(T), 0, sizeof(T)};
+  std::size_t bytes[X] = {kb, kb, vb, 0, vb};
+  if constexpr (Pol::has_gk) bases[3] = static_cast<const char*>(p.gk.data), ts[3] = &p.gk, es[3] = dtype_size(p.gk.type), bytes[3] = std::size_t(p.K) * es[3];
+  if constexpr (Pol::has_gv) bases[3] = static_cast<const char*>(p.gv.data), ts[3] = &p.gv, es[3] = dtype_size(p.gv.type), bytes[3] = std::size_t(it.w) * es[3];
+  std::int64_t* off = pq.head_offsets(std::size_t(2 * X * G));
+  for (int x = 0; x < X; ++x) {
+    if (!bases[x]) continue;
+    for (std::int64_t j = 0; j < G; ++j) {
+      const std::int64_t h = it.h0 + j;
+      const std::int64_t hh = x == 0 ? h / (p.H / p.Hq) : x == 1 ? h / (p.H / p.Hk) : x == 2 ? h / (p.H / p.Hv) : h;
+      const std::int64_t col = (x == 2 || x == 4 || (x == 3 && Pol::has_gv)) ? it.b0 : 0;
+      off[x * G + j] = (ts[x]->offset(0, 0, hh) + col) * std::int64_t(es[x]);
     }
   }
+  // The heads' rows of one token, merged where adjacent or overlapping (consecutive heads
+  // are usually adjacent: one span per tensor and token).
+  std::int64_t* len = off + X * G;
+  std::int64_t n[X] = {};
+  for (int x = 0; x < X; ++x) {
+    if (!bases[x]) continue;
+    for (std::int64_t j = 0; j < G; ++j) {
+      const std::int64_t o = off[x * G + j], e = o + std::int64_t(bytes[x]);
+      std::int64_t& m = n[x];
+      if (m > 0 && o >= off[x * G + m - 1] && o <= off[x * G + m - 1] + len[x * G + m - 1]) {
+        len[x * G + m - 1] = std::max(len[x * G + m - 1], e - off[x * G + m - 1]);
+      } else {
+        off[x * G + m] = o;
+        len[x * G + m] = e - o;
+        ++m;
+      }
+    }
+  }
+  // Tensor by tensor, so that the rows of consecutive heads merge into one span.
+  for (std::int64_t l = 0; l < cl; ++l)
+    for (int x = 0; x < X; ++x) {
+      if (!bases[x]) continue;
+      const char* row = bases[x] + ts[x]->offset(b, t[l], 0) * std::int64_t(es[x]);
+      for (std::int64_t m = 0; m < n[x]; ++m) pq.add(row + off[x * G + m], std::size_t(len[x * G + m]));
+    }
 }
 
 /// The recurrence of one staged chunk for head j of the item: the chunk's segments in
@@ -584,13 +754,24 @@ RECATTN_NOINLINE void scan_chunk(const problem& p, const group_item& it, std::in
   constexpr std::int64_t W = std::int64_t(xsimd::batch<Acc, arch>::size);
   constexpr int R = tile_shape<Acc>::rows, NV = tile_shape<Acc>::regs;
   const std::int64_t tiles = (p.K / R + p.K % R) * (wp / (NV * W) + wp % (NV * W) / W);
-  const std::int64_t per_tile = (pq.lines / it.G + tiles - 1) / tiles + 1;
-  auto prefetch = [&] { pq.issue(per_tile); };
-  for (std::int64_t i = 0; i < cl * wp; ++i) sb.os[i] = Acc(0);
-  const unsigned char* starts = sb.starts + j * sb.chunk;
+  // Spread over the tiles, a few lines every RECATTN_CPU_PREFETCH_EVERY tokens of each.
+  const std::int64_t calls = tiles * ((cl + RECATTN_CPU_PREFETCH_EVERY - 1) / RECATTN_CPU_PREFETCH_EVERY);
+  const std::int64_t per_call = (pq.lines / it.G + calls - 1) / calls + 1;
+  auto prefetch = [&] { pq.issue(per_call); };
+  const unsigned char* starts = sb.start_row(j);
   const Acc* qs = sb.head(sb.qs, j, Kp);
   const Acc* ks = sb.head(sb.ks, j, Kp);
   const Acc* vs = sb.head(sb.vs, j, wp);
+  T* out = static_cast<T*>(p.out_data());
+  const std::int64_t h = it.h0 + j;
+  // Outputs straight from the scan's last row tile when nothing is left to apply to them
+  // (no column decay) and the row holds whole registers; otherwise through os.
+  Acc* const* orows = nullptr;
+  if constexpr (std::is_same_v<T, Acc>)
+    if (!DecayV && it.w == wp) {
+      for (std::int64_t l = 0; l < cl; ++l) sb.orows[l] = out + p.out.offset(it.batch, t[l], h) + it.b0;
+      orows = sb.orows;
+    }
   for (std::int64_t l0 = 0, l1; l0 < cl; l0 = l1) {
     l1 = l0 + 1;
     if constexpr (DecayK || DecayV)
@@ -602,11 +783,11 @@ RECATTN_NOINLINE void scan_chunk(const problem& p, const group_item& it, std::in
       if (DecayK) f.r1 = sb.head(sb.fr1, j, Kp) + l0 * Kp, f.r2 = sb.head(sb.fr2, j, Kp) + l0 * Kp;
       if (DecayV) f.c1 = sb.head(sb.fc1, j, wp) + l0 * wp, f.c2 = sb.head(sb.fc2, j, wp) + l0 * wp;
     }
-    scan(l1 - l0, p.K, qs + l0 * Kp, ks + l0 * Kp, Kp, vs + l0 * wp, wp, S, sb.os + l0 * wp, f, prefetch);
+    scan(l1 - l0, p.K, qs + l0 * Kp, ks + l0 * Kp, Kp, vs + l0 * wp, wp, S, sb.os + l0 * wp, f, prefetch,
+         orows ? orows + l0 : nullptr);
   }
+  if (orows) return;
   if constexpr (DecayV) rescale_rows<Acc>(sb.os, nullptr, sb.head(sb.cs, j, wp), cl * wp);
-  T* out = static_cast<T*>(p.out_data());
-  const std::int64_t h = it.h0 + j;
   for (std::int64_t l = 0; l < cl; ++l) store_row(sb.os + l * wp, it.w, out + p.out.offset(it.batch, t[l], h) + it.b0);
 }
 
@@ -651,13 +832,16 @@ void forward_kernel(const problem& p, const cfg& c) {
 
   // All scratch is taken before anything is written: an allocation failure leaves the
   // caller's buffers as they were.
-  const std::size_t per_thread = std::size_t(G * K * bv + G * chunk * (4 * Kp + 4 * bv) + G * (Kp + bv) + Kp + bv +
-                                             chunk * bv);
+  const std::size_t per_thread = std::size_t(G * K * bv + G * chunk * (4 * Kp + 4 * bv) + G * (Kp + bv) + 2 * Kp + bv +
+                                             chunk * bv + 16 * W);
   detail::aligned_buffer<Acc> scratch(per_thread * std::size_t(threads));
   std::vector<std::int64_t> token_buf(std::size_t(2 * chunk * threads));
   std::vector<unsigned char> start_buf(std::size_t(G * chunk * threads));
+  std::vector<Acc*> orow_buf(std::size_t(chunk * threads));
+  std::vector<std::int64_t> hoff_buf(std::size_t(4 * G * threads));
   std::vector<Acc> gamma_buf(std::size_t(G * threads));
-  std::vector<detail::prefetch_queue> queues(std::size_t(threads), detail::prefetch_queue(std::size_t(5 * chunk * G)));
+  std::vector<detail::prefetch_queue> queues(std::size_t(threads), detail::prefetch_queue(std::size_t(6 * chunk * G)));
+  for (auto& q : queues) q.head_offsets(std::size_t(10 * G));
 
   parallel_for(items, threads, [&](std::int64_t item, int worker) {
     detail::group_item it;
@@ -676,8 +860,11 @@ void forward_kernel(const problem& p, const cfg& c) {
     detail::group_buffers<Acc> sb;
     sb.Kp = Kp;
     sb.chunk = chunk;
+    sb.per_head = RECATTN_CPU_STAGE_PER_HEAD;
     Acc* m = states + G * K * bv;
-    auto take = [&m](std::int64_t n) { Acc* r = m; m += n; return r; };
+    // One cache line between buffers: [chunk][row] buffers a multiple of 4 KiB long would
+    // otherwise put the same token's rows of every buffer in one L1 set.
+    auto take = [&m](std::int64_t n) { Acc* r = m; m += n + (RECATTN_CPU_SKEW); return r; };
     sb.qs = take(G * chunk * Kp);
     sb.ks = take(G * chunk * Kp);
     sb.fr1 = take(G * chunk * Kp);
@@ -690,8 +877,11 @@ void forward_kernel(const problem& p, const cfg& c) {
     sb.run_c = take(G * bv);
     sb.dr = take(Kp);
     sb.dc = take(bv);
+    sb.prev = take(Kp);
     sb.os = take(chunk * bv);
     sb.starts = start_buf.data() + std::size_t(G * chunk * worker);
+    sb.orows = orow_buf.data() + std::size_t(chunk * worker);
+    sb.hoff = hoff_buf.data() + std::size_t(4 * G * worker);
     std::int64_t* tok = token_buf.data() + 2 * chunk * worker;
     std::int64_t* next = tok + chunk;
     Acc* gamma = gamma_buf.data() + G * worker;
@@ -710,14 +900,16 @@ void forward_kernel(const problem& p, const cfg& c) {
     for (std::int64_t i0 = 0; i0 < seq.len; i0 += chunk) {
       const std::int64_t cl = std::min(chunk, seq.len - i0);
       for (std::int64_t l = 0; l < cl; ++l) tok[l] = seq.template token<Policy::reverse>(i0 + l);
-      detail::stage_group<T, Policy::gates>(p, it, tok, cl, static_cast<const Acc*>(gamma), sb);
+      if (!sb.per_head) detail::stage_group<T, Policy::gates>(p, it, tok, cl, static_cast<const Acc*>(gamma), sb, 0, G);
       // The next chunk's rows arrive while this one is scanned.
       const std::int64_t ncl = std::min(chunk, seq.len - i0 - cl);
       for (std::int64_t l = 0; l < ncl; ++l) next[l] = seq.template token<Policy::reverse>(i0 + cl + l);
       detail::prefetch_queue& pq = queues[std::size_t(worker)];
       detail::plan_prefetch<T, Policy::gates>(p, it, next, ncl, pq);
-      for (std::int64_t j = 0; j < G; ++j)
+      for (std::int64_t j = 0; j < G; ++j) {
+        if (sb.per_head) detail::stage_group<T, Policy::gates>(p, it, tok, cl, static_cast<const Acc*>(gamma), sb, j, j + 1);
         detail::scan_chunk<T, Acc, Policy::decay_k, Policy::decay_v>(p, it, j, tok, cl, sb, states + j * sstride, pq);
+      }
       pq.issue_all();
     }
     for (std::int64_t j = 0; j < G; ++j) {
