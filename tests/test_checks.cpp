@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -537,4 +538,43 @@ TEST_CASE("checks: a CPU cfg.chunk above the bound (forward and backward)", "[ch
   f.o.cfg = at_bound;
   REQUIRE(f.run().empty());
   CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
+}
+
+TEST_CASE("checks: a CPU cfg.threads above the bound (forward, backward, step)", "[checks][cfg]") {
+  // Without the bound, INT_MAX threads would be started (a std::system_error or an OpenMP
+  // abort, not a recattn::Error).
+  for (const int threads : {cpu::cpu_max_threads + 1, std::numeric_limits<int>::max()}) {
+    cfg big;
+    big.threads = threads;
+    const std::string want = "a value <= " + std::to_string(cpu::cpu_max_threads), got = std::to_string(threads);
+    {
+      forward_call f(spec());
+      f.o.cfg = big;
+      check_message(f.run(), "cfg.threads", want, got);
+      CHECK(untouched(f.out));
+      CHECK(untouched(f.state));
+    }
+    {
+      backward_call b(spec());
+      b.o.cfg = big;
+      check_message(b.run(), "cfg.threads", want, got);
+      CHECK(b.untouched_all());
+    }
+    {
+      step_call c;
+      c.o.cfg = big;
+      check_message(c.run(), "cfg.threads", want, got);
+      CHECK(c.untouched_all());
+    }
+  }
+  // The bound itself is accepted and computed (the workers are capped by the work items).
+  forward_call f(spec());
+  cfg at_bound;
+  at_bound.threads = cpu::cpu_max_threads;
+  f.o.cfg = at_bound;
+  REQUIRE(f.run().empty());
+  CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
+  step_call c;
+  c.o.cfg = at_bound;
+  CHECK(c.run().empty());
 }

@@ -140,6 +140,7 @@ inline cpu::backward_workspace backward_workspace_bytes(const tensor_view& q, co
                                                         const tensor_view& v, const forward_options& opt,
                                                         const output_grads& grads, const backward_outputs& outs) {
   const backward_problem bp = make_backward_problem(q, k, v, opt, grads, &outs);
+  if (opt.cfg) cpu::check_cpu_threads(opt.cfg->threads);
   return cpu::backward_workspace_of(bp, cpu::cpu_backward_resolve_cfg(bp.fwd, opt.cfg, cpu::cpu_resolve_cfg(bp.fwd, opt.cfg)));
 }
 

@@ -106,6 +106,7 @@ inline cfg resolve_cfg(platform pl, const problem& p, const std::optional<cfg>& 
   if (pl == platform::cuda) return cuda::resolve_cfg(p, user);
 #endif
   (void)pl;
+  if (user) cpu::check_cpu_threads(user->threads);
   return cpu::cpu_resolve_cfg(p, user);
 }
 

@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "../error.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -22,6 +24,19 @@ inline int hardware_threads() {
 #else
   return std::max(1, int(std::thread::hardware_concurrency()));
 #endif
+}
+
+/// The largest cfg.threads the CPU backends take: the workers are started per call (up to
+/// the number of work items), so without a bound a huge value tries to start that many
+/// threads, a std::system_error or an OpenMP runtime abort rather than a recattn::Error.
+inline constexpr int cpu_max_threads = 1024;
+
+/// Checks a user's cfg.threads against cpu_max_threads (its sign is checked with the other
+/// cfg fields where they are resolved), before anything is written.
+inline void check_cpu_threads(int threads) {
+  if (threads > cpu_max_threads)
+    recattn::detail::fail("cfg.threads", recattn::detail::cat("a value <= ", cpu_max_threads, " (worker threads per call)"),
+                          threads);
 }
 
 /// Calls fn(item, worker) for item in [0, n) on `threads` workers (worker in [0, threads)).

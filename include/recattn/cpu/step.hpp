@@ -61,6 +61,7 @@ inline cfg cpu_step_resolve_cfg(const step_problem& sp, const std::optional<cfg>
   if (!user) return h;
   cfg c = *user;
   if (c.threads < 0) recattn::detail::fail("cfg.threads", "a value >= 0 (0: all hardware threads)", c.threads);
+  check_cpu_threads(c.threads);
   if (c.block_v < 0) recattn::detail::fail("cfg.block_v", "a value >= 0 (0: heuristic)", c.block_v);
   if (c.chunk < 0) recattn::detail::fail("cfg.chunk", "a value >= 0 (0: heuristic)", c.chunk);
   if (c.threads == 0) c.threads = h.threads;
