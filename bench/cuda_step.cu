@@ -7,6 +7,8 @@
 //   cuda_step/<gate>/<dtype>/state:<float32|bfloat16>/B:128/H:32/K:128/V:128
 //
 //   cuda_step/gk/bfloat16/state:<..>/B:128/H:32/K:128/V:128/block_v:<n>   cfg.block_v sweep
+//   inplace_probe/axpb/MiB:<n>  x = a x + b in place over one pool's bytes (float4 streaming
+//                             loads and stores, 4 in flight a thread): in-place bandwidth
 //   copy_probe/d2d/MiB:<n>    cudaMemcpyAsync device to device of one pool's bytes (GB/s
 //                             counts bytes read + written: the copy bandwidth of the GPU)
 //
@@ -115,6 +117,36 @@ void bm_copy(benchmark::State& st, std::size_t bytes) {
   cudaFree(b);
 }
 
+/// x = a x + b over float4 vectors, in place: the in-place read + write bandwidth a step's
+/// state traffic is bound by (each thread keeps 4 vectors in flight, grid-stride).
+__global__ void inplace_axpb(float4* x, std::int64_t n, float a, float b) {
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x * 4;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x * 4 + threadIdx.x; i < n; i += stride) {
+    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * blockDim.x < n) v[u] = __ldcs(x + i + u * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * blockDim.x < n)
+        __stcs(x + i + u * blockDim.x, make_float4(a * v[u].x + b, a * v[u].y + b, a * v[u].z + b, a * v[u].w + b));
+  }
+}
+
+void bm_inplace(benchmark::State& st, std::size_t bytes) {
+  float4* x = nullptr;
+  ok(cudaMalloc(&x, bytes), "cudaMalloc");
+  ok(cudaMemset(x, 0, bytes), "memset");
+  int sms = 0;
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute");
+  const std::int64_t n = std::int64_t(bytes / sizeof(float4));
+  const double ms = recattn_bench::time_calls(
+      st, [&] { inplace_axpb<<<unsigned(sms * 8), 256>>>(x, n, 0.5f, 1.0f); }, 10.0f, 5);
+  st.counters["ms"] = ms;
+  st.counters["GBps"] = 2.0 * double(bytes) / (ms / 1e3) / 1e9;
+  cudaFree(x);
+}
+
 const char* label(float) { return "float32"; }
 const char* label(recattn::bfloat16) { return "bfloat16"; }
 
@@ -134,13 +166,13 @@ void register_cases(const shape& s) {
         ->Unit(benchmark::kMillisecond);
 }
 
-/// The issue's target case (gk) at other column blocks than the heuristic's (64 columns for
-/// K = 128: wider blocks need more than 256 threads at 32 state elements a thread).
+/// The issue's target case (gk) at other column blocks than the heuristic's (16 lanes of 16
+/// bytes for K = 128: 64 float or 128 bfloat16 columns, a 32 KiB tile).
 template <class T, class S>
 void register_block_v(const shape& s) {
   constexpr int vec = int(16 / sizeof(S));
-  for (int bv : {2 * vec, 4 * vec, 8 * vec, 16 * vec}) {
-    if (bv > 64 || bv > s.V) continue;
+  for (int bv : {2 * vec, 4 * vec, 8 * vec, 16 * vec, 32 * vec}) {
+    if (bv > s.V) continue;
     const std::string name = case_name<T, S>(s, recattn::gate_gk) + "/block_v:" + std::to_string(bv);
     benchmark::RegisterBenchmark(name.c_str(), bm_step<T, S>, s, unsigned(recattn::gate_gk), bv)
         ->UseManualTime()
@@ -162,6 +194,8 @@ int main(int argc, char** argv) {
     const std::size_t bytes = std::size_t(s.B * s.H * s.K * s.V) * elem;
     const std::string name = "copy_probe/d2d/MiB:" + std::to_string(bytes >> 20);
     benchmark::RegisterBenchmark(name.c_str(), bm_copy, bytes)->UseManualTime()->Iterations(10)->Unit(benchmark::kMillisecond);
+    const std::string in = "inplace_probe/axpb/MiB:" + std::to_string(bytes >> 20);
+    benchmark::RegisterBenchmark(in.c_str(), bm_inplace, bytes)->UseManualTime()->Iterations(10)->Unit(benchmark::kMillisecond);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -1,23 +1,31 @@
 // The CUDA decode step: a streaming kernel over the state pool (issue 6). Only compiled by nvcc.
 //
 // A step reads and writes every state once and does a few flops per element, so the kernel is
-// built for memory throughput: a block owns one (row, head, column block) of the state; each
-// thread owns N vectors of 16 bytes of it (N = 8 for 4-byte storage, 4 for bfloat16: 32 state
-// elements per thread; 3 blocks of 256 threads per SM, 96 KiB of loads in flight per SM),
-// issues all N loads before anything else (streaming loads, 16 bytes each, consecutive lanes
-// on consecutive addresses), keeps them in registers across the row's tokens and stores them
-// once (streaming stores). While the loads are in
-// flight, the block stages q * scale, k, the row decays exp(g + g_gamma + gk) and the block's
-// v, exp(gv) of a token in shared memory. Arithmetic is in float (double for double inputs);
-// bfloat16 storage is converted on load and rounded once on store.
+// built for memory throughput, which on a GPU means many bytes in flight per SM. A block owns
+// a tile of one (row, head) state: [K, V] pool, all K key rows x cw value columns; [V, K] pool,
+// a run of value rows x all K columns. Its first act is to issue asynchronous 16-byte copies
+// (cp.async, L2 only) of the whole tile into shared memory: the tile costs no registers, so
+// a block can have 32-64 KiB of loads in flight and an SM several blocks (the register-held
+// design before it, 32 elements a thread and 3 blocks an SM, kept ~96 KiB in flight and
+// reached 79 % of the copy bandwidth with float state, 43 % with bfloat16; this one, 128
+// threads and a 32 KiB tile, 6 blocks an SM, ~91 % and ~80 %, bench/README.md). Each thread copies
+// and later reads back only its own vectors (vector v of thread t at tile[v * threads + t]:
+// consecutive lanes, consecutive 16 bytes, no bank conflicts), so the tile needs no barrier of
+// its own. While the copies fly, the block stages q * scale, k, the row decays
+// exp(g + g_gamma + gk) and the block's v, exp(gv) of the token in shared memory. The update
+// runs from the tile; on the row's last token each vector goes straight from registers to the
+// pool with a streaming store, otherwise back into the tile. Arithmetic is in float (double
+// for double inputs); bfloat16 storage is converted on read and rounded once on store.
 //
-//   [K, V] pool: a state row (one key index) is contiguous over V. A row of TPR lanes covers
-//   TPR * VEC value columns; the block holds RP rows at a time and N passes of them
-//   (K <= RP * N). o[b] sums over the key rows: each thread sums its N rows, then the RP row
-//   groups are summed through shared memory.
+//   [K, V] pool: a state row (one key index) is contiguous over V. TPR lanes cover the
+//   block's cw = TPR * VEC value columns; row group rg of the block's RP takes the NR key
+//   rows rg * NR .. rg * NR + NR - 1 (K <= RP * NR). o[b] sums over the key rows: each thread
+//   over its rows, then the row groups of a warp by shuffles, then the warps through shared
+//   memory. On a row's last token without a snapshot (the common decode step) each updated
+//   vector goes from registers straight to the pool.
 //   [V, K] pool: a state row (one value index) is contiguous over K. TPR lanes cover the K
-//   columns in N passes (K <= TPR * VEC * N); the block holds RP value rows. o[b] sums along
-//   the row: each thread sums its columns, then a shuffle over the TPR lanes.
+//   columns in NC passes; the block's RP row groups take value rows in NR passes. o[b] sums
+//   along the row: each thread over its columns, then a shuffle over the TPR lanes.
 //
 // The gates are block-uniform runtime flags, not template parameters: an absent decay is a
 // staged factor of 1 (s * 1 is exact), which costs one multiply per element in a kernel that
@@ -69,42 +77,85 @@ struct step_params {
   int H, gq, gkh, gvh;  ///< H, H / Hq, H / Hk, H / Hv
   int K, V;
   int tpr;   ///< lanes per state row (power of 2, <= 32)
+  int nr;    ///< row passes of a thread
+  int nc;    ///< column passes of a thread ([V, K]; 1 for [K, V])
   int nblk;  ///< column blocks ([K, V]) or value-row blocks ([V, K]) per head
   float scale;
   double scale_d;
 };
 
-/// Largest block of the step kernel, and the blocks of that size an SM must hold (its
-/// __launch_bounds__: at most 85 registers a thread, which 32 state elements leave room for;
-/// with 64 elements a thread took 158 registers, one block per SM).
+/// Largest block of the step kernel, and the most 16-byte tile vectors a thread copies (a
+/// block's tile is at most 256 x 16 x 16 bytes = 64 KiB of shared memory).
 inline constexpr int step_max_threads = 256;
-inline constexpr int step_min_blocks = 3;
+inline constexpr int step_max_vectors = 16;
+/// The heuristic's block: 128 threads of 16 vectors, a 32 KiB tile (6 blocks and 192 KiB of
+/// copies in flight per SM; 256 threads of 8 vectors, 4 blocks an SM, were slower). It takes
+/// 256 threads only when the rows need them.
+inline constexpr int step_threads = 128;
+inline constexpr int step_tile_vectors = 16;
+/// Blocks of step_max_threads an SM must hold: at most 64 registers a thread.
+inline constexpr int step_min_blocks = 4;
+/// Commit groups of a block's tile copies (1 to 4: cp_async_wait_upto).
+#ifndef RECATTN_CUDA_STEP_COPY_GROUPS
+#define RECATTN_CUDA_STEP_COPY_GROUPS 1
+#endif
+inline constexpr int step_copy_groups = RECATTN_CUDA_STEP_COPY_GROUPS;
+static_assert(step_copy_groups >= 1 && step_copy_groups <= 4, "RECATTN_CUDA_STEP_COPY_GROUPS: 1 to 4");
 
 namespace detail {
 
-/// Elements of state storage S per 16-byte vector, and vectors per thread (32 elements of
-/// 4-byte or 2-byte storage, 16 of double).
+/// Elements of state storage S per 16-byte vector.
 template <class S> inline constexpr int step_vec = int(16 / sizeof(S));
-template <class S> inline constexpr int step_vectors = sizeof(S) == 2 ? 4 : 8;
 
 template <class Acc, class S>
-__device__ __forceinline__ void load_vec(const S* p, Acc (&x)[step_vec<S>]) {
-  constexpr int VEC = step_vec<S>;
-  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));  // streamed: read once
-  const S* e = reinterpret_cast<const S*>(&raw);
+__device__ __forceinline__ void unpack_vec(const uint4& raw, Acc (&x)[step_vec<S>]) {
+  if constexpr (std::is_same<S, bfloat16>::value && std::is_same<Acc, float>::value) {
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};  // two bfloat16 a word, low first
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) x[i] = to_acc<Acc>(e[i]);
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+    const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+    for (int i = 0; i < step_vec<S>; ++i) x[i] = to_acc<Acc>(e[i]);
+  }
 }
 
-template <class Acc, class S>
-__device__ __forceinline__ void store_vec(S* p, const Acc (&x)[step_vec<S>]) {
-  constexpr int VEC = step_vec<S>;
+template <class S, class Acc>
+__device__ __forceinline__ uint4 pack_vec(const Acc (&x)[step_vec<S>]) {
   uint4 raw;
-  S* e = reinterpret_cast<S*>(&raw);
+  if constexpr (std::is_same<S, bfloat16>::value && std::is_same<Acc, float>::value) {
+    unsigned w[4];
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) e[i] = from_acc<S>(x[i]);
-  __stcs(reinterpret_cast<uint4*>(p), raw);  // streamed: not read again by this step
+    for (int i = 0; i < 4; ++i) {  // one cvt.rn.bf16x2.f32 per pair: the rounding of from_acc
+      const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+      w[i] = *reinterpret_cast<const unsigned*>(&b);
+    }
+    raw = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+    for (int i = 0; i < step_vec<S>; ++i) e[i] = from_acc<S>(x[i]);
+  }
+  return raw;
 }
+
+/// cp.async.wait_group with a run-time count (0 .. 3).
+__device__ __forceinline__ void cp_async_wait_upto(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+/// How a step scales the state: no decay; a decay per key row (g, g_gamma, gk); one per key
+/// row and one per value column (gv). Block-uniform: the update loop is compiled for each.
+enum step_decay : int { decay_none, decay_rows, decay_both };
+template <int M> using decay_tag = std::integral_constant<int, M>;
 
 __device__ __forceinline__ std::int64_t load_index(const void* p, bool is64, std::int64_t i) {
   return is64 ? static_cast<const std::int64_t*>(p)[i] : std::int64_t(static_cast<const std::int32_t*>(p)[i]);
@@ -115,13 +166,12 @@ template <class T, class S, bool VK>
 __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel(const step_params p) {
   using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
   constexpr int VEC = step_vec<S>;
-  constexpr int N = step_vectors<S>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Acc* sm = reinterpret_cast<Acc*>(smem_raw);
 
   const int tpr = p.tpr, nthreads = int(blockDim.x), rp = nthreads / tpr;
   const int tid = int(threadIdx.x);
   const int lane_r = tid & (tpr - 1), rg = tid / tpr;
+  const int nr = p.nr, nc = VK ? p.nc : 1;
   const std::int64_t blk = blockIdx.x % p.nblk;
   const int h = int((blockIdx.x / p.nblk) % p.H);
   const std::int64_t n = std::int64_t(blockIdx.x) / (std::int64_t(p.nblk) * p.H);
@@ -135,44 +185,44 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
   }
   if (len <= 0) return;
 
-  // The thread's part of the state, in the pool's own layout:
-  //   [K, V]: rows a = i * rp + rg (i < N), columns c0 + lane_r * VEC + e (value index)
-  //   [V, K]: row b = r0 + rg, columns (i * tpr + lane_r) * VEC + e (key index)
-  // Row lengths are multiples of VEC (checked by step_launch_shape): a vector is whole.
-  const int cw = tpr * VEC;  // [K, V]: columns of the block
-  const std::int64_t c0 = VK ? 0 : blk * cw;
-  const std::int64_t r0 = VK ? blk * rp : 0;
-  // Vector i of the thread starts at (row_of(i), col_of(i)); the first nv of them lie inside
-  // the state (one base and one count rather than N addresses and N predicates: with those,
-  // the kernel took twice the registers).
-  const int row0 = VK ? int(r0) + rg : rg;                        // state row of vector 0
-  const int col0 = VK ? lane_r * VEC : int(c0) + lane_r * VEC;    // state column of vector 0
+  // The thread's vector (j, i), j < nr, i < nc, in the pool's own layout: state row
+  // row0 + j * rstep, columns col0 + i * cw .. + VEC (a row length is a multiple of VEC,
+  // checked by step_launch_shape: a vector is whole). [K, V]: rows are key indices, nr
+  // consecutive ones a thread (its q, k and decays are adjacent in shared memory), the
+  // block's columns start at blk * cw; [V, K]: rows are value indices from blk * rp * nr,
+  // rp apart.
+  const int cw = tpr * VEC;
+  const int r0 = VK ? int(blk) * rp * nr : 0;
+  const int c0 = VK ? 0 : int(blk) * cw;
+  const int rstep = VK ? rp : 1;
+  const int row0 = VK ? r0 + rg : rg * nr, col0 = c0 + lane_r * VEC;
   const int rows_total = VK ? p.V : p.K, cols_total = VK ? p.K : p.V;
-  int nv = 0;
-  if (row0 < rows_total && col0 < cols_total)
-    nv = VK ? min(N, (cols_total - col0 + cw - 1) / cw) : min(N, (rows_total - row0 + rp - 1) / rp);
-  auto row_of = [&](int i) { return VK ? row0 : row0 + i * rp; };
-  auto col_of = [&](int i) { return VK ? col0 + i * cw : col0; };
-  auto offset = [&](std::int64_t s2, int i) { return std::int64_t(row_of(i)) * s2 + col_of(i); };
+  // Rows and columns grow with j and i: the thread's vectors inside the state are
+  // j < nrow, i < ncol.
+  const int nrow = row0 < rows_total ? min(nr, (rows_total - row0 + rstep - 1) / rstep) : 0;
+  const int ncol = col0 < cols_total ? min(nc, (cols_total - col0 + cw - 1) / cw) : 0;
+  const std::int64_t s2 = p.pool_s2;
 
   S* pool = static_cast<S*>(p.pool) + slot * p.pool_s0 + std::int64_t(h) * p.pool_s1;
-  Acc s[N][VEC];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (i < nv) {
-      load_vec(pool + offset(p.pool_s2, i), s[i]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) s[i][e] = Acc(0);
+  // The copies go in step_copy_groups commit groups of gs vectors (vector v = j * nc + i):
+  // the first token's update starts on group 0 while the later groups are still in flight.
+  uint4* tile = reinterpret_cast<uint4*>(smem_raw);
+  const int gs = (nr * nc + step_copy_groups - 1) / step_copy_groups;
+  for (int g = 0; g < step_copy_groups; ++g) {
+    for (int v = g * gs; v < min((g + 1) * gs, nr * nc); ++v) {
+      const int j = v / nc, i = v - j * nc;
+      if (j < nrow && i < ncol)
+        cp_async<16>(tile + v * nthreads + tid, pool + std::int64_t(row0 + j * rstep) * s2 + col0 + i * cw, 16);
     }
+    cp_async_commit();
   }
 
-  // Shared memory: q * scale, k, row decay [K]; the block's v and column decay [vw]
-  // (vw = cw value columns for [K, V], rp value rows for [V, K], from v0); [K, V]: the
-  // partial outputs [rp][cw].
-  const int vw = VK ? rp : cw;
+  // Shared memory after the tile: q * scale, k, row decay [K]; the block's v and column
+  // decay [vw] (vw = cw value columns for [K, V], rp * nr value rows for [V, K], from v0);
+  // [K, V]: the partial outputs of the warps [nthreads / 32][cw].
+  const int vw = VK ? rp * nr : cw;
   const std::int64_t v0 = VK ? r0 : c0;
-  Acc* qs = sm;
+  Acc* qs = reinterpret_cast<Acc*>(tile + nr * nc * nthreads);
   Acc* ks = qs + p.K;
   Acc* dks = ks + p.K;
   Acc* vs = dks + p.K;
@@ -209,6 +259,31 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       }
     }
     __syncthreads();
+    // Before vector v is read on the first token: its copy group has landed (the thread's
+    // own copies; no other thread reads them).
+    int bound = l == 0 ? 0 : nr * nc;  // vectors from here on wait for their group
+    auto landed = [&](int v) {
+      if (v >= bound) {
+        const int g = v / gs;
+        bound = (g + 1) * gs;
+        cp_async_wait_upto(step_copy_groups - 1 - g);
+      }
+    };
+
+    // Where the updated vectors go: the pool on the row's last token, else back to the tile;
+    // and the snapshot slot of this token, if any.
+    const bool last = l == len - 1;
+    S* sn = nullptr;
+    if (p.snap) {
+      const std::int64_t ss = load_index(p.snap_indices, p.snap_int64, bidx * p.snap_is0 + t * p.snap_is1);
+      if (ss >= 0 && ss < p.Ps) sn = static_cast<S*>(p.snap) + ss * p.snap_s0 + std::int64_t(h) * p.snap_s1;
+    }
+    auto put = [&](int j, int i, const uint4& raw) {
+      const int row = row0 + j * rstep, col = col0 + i * cw;
+      if (last) __stcs(reinterpret_cast<uint4*>(pool + std::int64_t(row) * s2 + col), raw);  // not read again
+      else tile[(j * nc + i) * nthreads + tid] = raw;
+      if (sn) __stcs(reinterpret_cast<uint4*>(sn + std::int64_t(row) * p.snap_s2 + col), raw);
+    };
 
     T* out = static_cast<T*>(p.out) + bidx * p.out_s0 + t * p.out_s1 + std::int64_t(h) * p.out_s2;
     if constexpr (!VK) {
@@ -221,65 +296,102 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
         dvr[e] = dvs[cl + e];
         o[e] = Acc(0);
       }
+      // Fast: the row's last token and no snapshot, the common decode step: each vector goes
+      // from registers to the pool along a pointer, nothing else.
+      auto update = [&](auto mode, auto fast) {
+        constexpr int M = decltype(mode)::value;
+        constexpr bool fast_path = decltype(fast)::value;
+        const Acc* qa_p = qs + row0;
+        const Acc* ka_p = ks + row0;
+        const Acc* da_p = dks + row0;
+        const uint4* src = tile + tid;
+        uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
+        const std::int64_t dstep = s2 / VEC;  // a row in 16-byte vectors (s2 % VEC == 0)
+#pragma unroll 2
+        for (int j = 0; j < nrow; ++j) {
+          const Acc qa = qa_p[j], ka = ka_p[j], da = da_p[j];
+          Acc x[VEC];
+          landed(j);
+          unpack_vec<Acc, S>(src[j * nthreads], x);
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        if (i >= nv) continue;
-        const int a = row_of(i);
-        const Acc qa = qs[a], ka = ks[a], da = dks[a];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          s[i][e] = fma(s[i][e], da * dvr[e], ka * vr[e]);
-          o[e] = fma(qa, s[i][e], o[e]);
+          for (int e = 0; e < VEC; ++e) {
+            if constexpr (M == decay_both) x[e] = fma(x[e], da * dvr[e], ka * vr[e]);
+            else if constexpr (M == decay_rows) x[e] = fma(x[e], da, ka * vr[e]);
+            else x[e] = fma(ka, vr[e], x[e]);
+            o[e] = fma(qa, x[e], o[e]);
+          }
+          if constexpr (fast_path) __stcs(dst + j * dstep, pack_vec<S>(x));  // not read again
+          else put(j, 0, pack_vec<S>(x));
         }
+      };
+      auto run = [&](auto fast) {
+        if (decay_v) update(decay_tag<decay_both>{}, fast);
+        else if (decay_k) update(decay_tag<decay_rows>{}, fast);
+        else update(decay_tag<decay_none>{}, fast);
+      };
+      if (ncol) {
+        if (last && !sn) run(std::true_type{});
+        else run(std::false_type{});
       }
+      // Row groups of a warp (lanes tpr apart) by shuffles, then the warps in shared memory.
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) red[rg * cw + cl + e] = o[e];
+      for (int e = 0; e < VEC; ++e)
+        for (int m = 16; m >= tpr; m /= 2) o[e] += __shfl_xor_sync(0xffffffffu, o[e], m);
+      const int warp = tid / 32, nwarps = nthreads / 32;
+      if ((tid & 31) < tpr) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) red[warp * cw + cl + e] = o[e];
+      }
       __syncthreads();
       for (int c = tid; c < cw; c += nthreads) {
         const std::int64_t b = c0 + c;
         if (b >= p.V) continue;
         Acc x = Acc(0);
-        for (int g = 0; g < rp; ++g) x += red[g * cw + c];
+        for (int w = 0; w < nwarps; ++w) x += red[w * cw + c];
         out[b] = from_acc<T>(x);
       }
     } else {
-      const Acc vb = vs[rg], db = dvs[rg];
-      Acc o = Acc(0);
+      for (int j = 0; j < nr; ++j) {
+        const int bl = rg + j * rp;  // value row, local to the block
+        const Acc vb = vs[bl], db = dvs[bl];
+        Acc o = Acc(0);
+        auto update = [&](auto mode) {
+          constexpr int M = decltype(mode)::value;
+#pragma unroll 2
+          for (int i = 0; i < ncol; ++i) {
+            const int c = col0 + i * cw;
+            Acc x[VEC];
+            landed(j * nc + i);
+            unpack_vec<Acc, S>(tile[(j * nc + i) * nthreads + tid], x);
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        if (i >= nv) continue;
-        const int c = col_of(i);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          s[i][e] = fma(s[i][e], dks[c + e] * db, ks[c + e] * vb);
-          o = fma(qs[c + e], s[i][e], o);
+            for (int e = 0; e < VEC; ++e) {
+              if constexpr (M == decay_both) x[e] = fma(x[e], dks[c + e] * db, ks[c + e] * vb);
+              else if constexpr (M == decay_rows) x[e] = fma(x[e], dks[c + e], ks[c + e] * vb);
+              else x[e] = fma(ks[c + e], vb, x[e]);
+              o = fma(qs[c + e], x[e], o);
+            }
+            put(j, i, pack_vec<S>(x));
+          }
+        };
+        if (j < nrow) {
+          if (decay_v) update(decay_tag<decay_both>{});
+          else if (decay_k) update(decay_tag<decay_rows>{});
+          else update(decay_tag<decay_none>{});
         }
-      }
-      // The tpr lanes of a row are consecutive lanes of one warp; every lane of the block
-      // is here (rows past V hold zeros).
-      for (int m = tpr / 2; m > 0; m /= 2) o += __shfl_xor_sync(0xffffffffu, o, m, tpr);
-      const std::int64_t b = r0 + rg;
-      if (lane_r == 0 && b < p.V) out[b] = from_acc<T>(o);
-    }
-
-    if (p.snap) {
-      const std::int64_t ss = load_index(p.snap_indices, p.snap_int64, bidx * p.snap_is0 + t * p.snap_is1);
-      if (ss >= 0 && ss < p.Ps) {
-        S* sn = static_cast<S*>(p.snap) + ss * p.snap_s0 + std::int64_t(h) * p.snap_s1;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          if (i < nv) store_vec(sn + offset(p.snap_s2, i), s[i]);
+        // The tpr lanes of a row are consecutive lanes of one warp; every lane of the block
+        // is here (rows past V hold zeros).
+        for (int m = tpr / 2; m > 0; m /= 2) o += __shfl_xor_sync(0xffffffffu, o, m, tpr);
+        const std::int64_t b = r0 + bl;
+        if (lane_r == 0 && b < p.V) out[b] = from_acc<T>(o);
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (i < nv) store_vec(pool + offset(p.pool_s2, i), s[i]);
 }
 
-/// The launch shape of a step: lanes per state row, threads and blocks per head, shared memory.
+/// The launch shape of a step: lanes per state row, passes, threads and blocks per head,
+/// shared memory.
 struct step_shape {
-  int tpr = 1, threads = 32, nblk = 1;
+  int tpr = 1, nr = 1, nc = 1, threads = 32, nblk = 1;
   std::size_t smem = 0;
 };
 
@@ -289,24 +401,32 @@ inline int pow2_at_least(std::int64_t x) {
   return r;
 }
 
+inline int pow2_at_most(std::int64_t x) {
+  int r = 1;
+  while (2 * std::int64_t(r) <= x) r *= 2;
+  return r;
+}
+
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+inline int round_up_warp(std::int64_t x) { return int((x + 31) / 32 * 32); }
 
 }  // namespace detail
 
 /// Checks the sizes and alignment the CUDA step needs and returns its launch shape.
 /// `user`: cfg.block_v, when set, is the value columns of a block ([K, V]; a power of 2 times
 /// the 16-byte vector, at most 32 vectors) or the value rows of a block ([V, K]). `sms`: the
-/// device's multiprocessors (0: unknown); a [K, V] step with fewer than two blocks per
-/// multiprocessor splits the value columns further.
+/// device's multiprocessors (0: unknown); a step with fewer than two blocks per
+/// multiprocessor splits the state into smaller tiles.
 inline detail::step_shape step_launch_shape(const step_problem& sp, const std::optional<cfg>& user = std::nullopt,
                                             int sms = 0) {
   using recattn::detail::cat;
   using recattn::detail::fail;
   using detail::ceil_div;
+  using detail::round_up_warp;
   const problem& p = sp.tok;
   const int es = int(dtype_size(sp.state_type));
   const int VEC = 16 / es;
-  const int N = es == 2 ? 4 : 8;  // detail::step_vectors
   const bool vk = p.layout == state_layout::vk;
   const std::int64_t cols = vk ? p.K : p.V;
   auto aligned = [&](const void* data, std::int64_t s0, std::int64_t s1, std::int64_t s2) {
@@ -321,51 +441,76 @@ inline detail::step_shape step_launch_shape(const step_problem& sp, const std::o
          cat("strides [", sp.snap.s0, ", ", sp.snap.s1, ", ", sp.snap.s2, "]"));
   const int block_v = user ? user->block_v : 0;
   if (block_v < 0) fail("cfg.block_v", "a value >= 0 (0: heuristic)", block_v);
-  const int maxt = step_max_threads;
+  const int maxt = step_max_threads, maxv = step_max_vectors;
+  const std::int64_t heads = p.N * p.H;
+  auto few_blocks = [&](std::int64_t nblk) { return sms > 0 && heads * nblk < 2 * std::int64_t(sms); };
   detail::step_shape sh;
+  // `rows` state rows of a block over row groups of tpr lanes, nc column passes: the fewest
+  // threads (step_threads, else step_max_threads) whose passes fit step_max_vectors.
+  auto fit_rows = [&](std::int64_t rows) {
+    for (const int base : {step_threads, maxt}) {
+      const std::int64_t rp = base / sh.tpr, nr = ceil_div(rows, rp);
+      if (nr * sh.nc <= maxv) {
+        sh.nr = int(nr);
+        sh.threads = round_up_warp(std::int64_t(sh.tpr) * ceil_div(rows, nr));
+        return true;
+      }
+    }
+    return false;
+  };
   if (!vk) {
-    // K rows over rp row groups x N passes; V columns over tpr lanes (blocks across V).
-    const std::int64_t max_k = std::int64_t(maxt) * N;
+    // K rows over rp row groups x nr passes; V columns over tpr lanes (blocks across V).
+    const std::int64_t max_k = std::int64_t(maxt) * maxv;
     if (p.K > max_k)
-      fail("query", cat("K <= ", max_k, " on platform cuda with a [K, V] ", dtype_name(sp.state_type),
-                        " pool (", N, " state rows per thread, ", maxt, " threads)"), cat("K = ", p.K));
-    const std::int64_t need = ceil_div(p.K, N);  // row groups
+      fail("query", cat("K <= ", max_k, " on platform cuda with a [K, V] pool (", maxv, " state vectors per thread, ", maxt,
+                        " threads)"), cat("K = ", p.K));
+    sh.nc = 1;
     if (block_v) {
       const int t = block_v / VEC;
-      if (block_v % VEC || t > 32 || (t & (t - 1)) || t * need > maxt)
-        fail("cfg.block_v", cat("a power of 2 times ", VEC, " columns, at most ", 32 * VEC, " and at most ",
-                                std::max<std::int64_t>(1, maxt / need) * VEC, " for K = ", p.K, " (0: heuristic)"), block_v);
+      const std::int64_t most = std::min<std::int64_t>(32, maxt * maxv / p.K);  // lanes whose rows fit
+      if (block_v % VEC || t > most || (t & (t - 1)))
+        fail("cfg.block_v", cat("a power of 2 times ", VEC, " columns, at most ", detail::pow2_at_most(std::max<std::int64_t>(1, most)) * VEC,
+                                " for K = ", p.K, " (0: heuristic)"), block_v);
       sh.tpr = t;
     } else {
-      sh.tpr = std::min(32, detail::pow2_at_least(ceil_div(cols, VEC)));
-      while (sh.tpr > 1 && sh.tpr * need > maxt) sh.tpr /= 2;
-      // Small batches: more, narrower column blocks (down to 8 lanes, 128 bytes per row).
-      while (sms > 0 && sh.tpr > 8 && p.N * p.H * ceil_div(p.V, std::int64_t(sh.tpr) * VEC) < 2 * sms) sh.tpr /= 2;
+      // A tile of step_threads x step_tile_vectors vectors: K rows x tpr lanes.
+      const std::int64_t want = std::int64_t(step_threads) * step_tile_vectors / p.K;  // lanes
+      sh.tpr = detail::pow2_at_most(std::max<std::int64_t>(1, std::min<std::int64_t>(want, 32)));
+      sh.tpr = std::min(sh.tpr, detail::pow2_at_least(ceil_div(cols, VEC)));
+      while (sh.tpr > 1 && few_blocks(ceil_div(p.V, std::int64_t(sh.tpr) * VEC))) sh.tpr /= 2;
     }
-    sh.threads = int(std::min<std::int64_t>(maxt, (sh.tpr * need + 31) / 32 * 32));
+    (void)fit_rows(p.K);  // K <= max_k and tpr <= maxt * maxv / K: 256 threads fit
     sh.nblk = int(ceil_div(p.V, std::int64_t(sh.tpr) * VEC));
   } else {
-    // K columns over tpr lanes x N passes; value rows over the block's rp row groups.
-    const std::int64_t max_k = 32 * std::int64_t(VEC) * N;
+    // K columns over tpr lanes x nc passes; value rows over rp row groups x nr passes.
+    const std::int64_t max_k = 32 * std::int64_t(VEC) * maxv;
     if (p.K > max_k)
       fail("query", cat("K <= ", max_k, " on platform cuda with a [V, K] ", dtype_name(sp.state_type),
-                        " pool (32 lanes x ", N * VEC, " keys per state row)"), cat("K = ", p.K));
-    sh.tpr = detail::pow2_at_least(ceil_div(p.K, std::int64_t(VEC) * N));
-    std::int64_t rows = std::min<std::int64_t>(maxt / sh.tpr, p.V);
+                        " pool (32 lanes x ", maxv * VEC, " keys per state row)"), cat("K = ", p.K));
+    sh.tpr = std::min(32, detail::pow2_at_least(ceil_div(p.K, VEC)));
+    sh.nc = int(ceil_div(p.K, std::int64_t(sh.tpr) * VEC));
+    std::int64_t rows;  // value rows of a block
     if (block_v) {
-      if (block_v * std::int64_t(sh.tpr) > maxt)
-        fail("cfg.block_v", cat("at most ", maxt / sh.tpr, " value rows per block for K = ", p.K, " with a [V, K] pool (0: heuristic)"),
+      const std::int64_t most = std::int64_t(maxt / sh.tpr) * (maxv / sh.nc);
+      if (block_v > most)
+        fail("cfg.block_v", cat("at most ", most, " value rows per block for K = ", p.K, " with a [V, K] pool (0: heuristic)"),
              block_v);
       rows = block_v;
+    } else {
+      const std::int64_t rp = step_threads / sh.tpr;
+      rows = std::min<std::int64_t>(rp * std::max(1, step_tile_vectors / sh.nc), p.V);
+      while (rows > rp && few_blocks(ceil_div(p.V, rows))) rows = std::max<std::int64_t>(rp, rows / 2);
+      while (rows > 1 && rows <= rp && few_blocks(ceil_div(p.V, rows))) rows = ceil_div(rows, 2);
     }
-    sh.threads = int(std::min<std::int64_t>(maxt, (sh.tpr * rows + 31) / 32 * 32));
-    sh.nblk = int(ceil_div(p.V, sh.threads / sh.tpr));
+    (void)fit_rows(rows);  // rows <= (maxt / tpr) * (maxv / nc): 256 threads fit
+    sh.nblk = int(ceil_div(p.V, std::int64_t(sh.threads / sh.tpr) * sh.nr));
   }
   const std::size_t acc = p.type == dtype::float64 ? 8 : 4;
   const int rp = sh.threads / sh.tpr;
-  const int vw = vk ? rp : sh.tpr * VEC;
-  sh.smem = acc * std::size_t(3 * p.K + 2 * vw + (vk ? 0 : std::int64_t(rp) * sh.tpr * VEC));
-  if (p.N * p.H * std::int64_t(sh.nblk) > (std::int64_t(1) << 31) - 1)
+  const int vw = vk ? rp * sh.nr : sh.tpr * VEC;
+  const std::size_t tile = std::size_t(sh.nr) * std::size_t(sh.nc) * std::size_t(sh.threads) * 16;
+  sh.smem = tile + acc * std::size_t(3 * p.K + 2 * vw + (vk ? 0 : std::int64_t(sh.threads / 32) * sh.tpr * VEC));
+  if (heads * std::int64_t(sh.nblk) > (std::int64_t(1) << 31) - 1)
     fail("query", "fewer than 2^31 (row, head, block) work items on platform cuda", cat("N = ", p.N, ", H = ", p.H));
   return sh;
 }
@@ -411,6 +556,8 @@ inline step_params make_step_params(const step_problem& sp, const step_shape& sh
   f.H = int(p.H), f.gq = int(p.H / p.Hq), f.gkh = int(p.H / p.Hk), f.gvh = int(p.H / p.Hv);
   f.K = int(p.K), f.V = int(p.V);
   f.tpr = sh.tpr;
+  f.nr = sh.nr;
+  f.nc = sh.nc;
   f.nblk = sh.nblk;
   f.scale = float(p.scale);
   f.scale_d = p.scale;
@@ -421,6 +568,9 @@ inline step_params make_step_params(const step_problem& sp, const step_shape& sh
 template <class T, class S, bool VK>
 void launch_step(const step_params& f, const step_shape& sh, std::int64_t blocks, cudaStream_t stream) {
   auto kernel = step_kernel<T, S, VK>;
+  // As much shared memory as the SM has (the tiles, not L1, hold the loads in flight).
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared)),
+        "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
   if (sh.smem > 48 * 1024)
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sh.smem)),
           "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
