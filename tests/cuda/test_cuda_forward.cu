@@ -109,6 +109,9 @@ TEST_CASE("cuda forward: scalar decays, strong, mixed, positive, underflowing", 
     s.K = s.V = 64;
     s.seed = seed++;
     check_case(s);
+    s.gates = recattn::gate_g_gamma;  // every full chunk after the second reuses its factors
+    s.seed = seed++;
+    check_case(s);
   }
 }
 

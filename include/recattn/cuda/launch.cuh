@@ -386,13 +386,14 @@ struct cuda_backend {
     };
     constexpr bool row = kernel_traits<Policy>::row;
     constexpr bool col = kernel_traits<Policy>::col;
+    constexpr bool scalar = kernel_traits<Policy>::scalar;
     if constexpr (std::is_same<T, double>::value) {
-      launch(forward_kernel<T, row, col, 16>);  // double: correct at every K, speed not a goal
+      launch(forward_kernel<T, row, col, scalar, 16>);  // double: correct at every K, speed not a goal
     } else {
       switch (rows_per_lane(p.K, p.type)) {
-        case 4: launch(forward_kernel<T, row, col, 4>); break;
-        case 8: launch(forward_kernel<T, row, col, 8>); break;
-        default: launch(forward_kernel<T, row, col, 16>); break;
+        case 4: launch(forward_kernel<T, row, col, scalar, 4>); break;
+        case 8: launch(forward_kernel<T, row, col, scalar, 8>); break;
+        default: launch(forward_kernel<T, row, col, scalar, 16>); break;
       }
     }
   }
