@@ -91,8 +91,16 @@ inline constexpr int step_max_vectors = 16;
 /// The heuristic's block: 128 threads of 16 vectors, a 32 KiB tile (6 blocks and 192 KiB of
 /// copies in flight per SM; 256 threads of 8 vectors, 4 blocks an SM, were slower). It takes
 /// 256 threads only when the rows need them.
-inline constexpr int step_threads = 128;
-inline constexpr int step_tile_vectors = 16;
+#ifndef RECATTN_CUDA_STEP_THREADS
+#define RECATTN_CUDA_STEP_THREADS 128
+#endif
+#ifndef RECATTN_CUDA_STEP_TILE_VECTORS
+#define RECATTN_CUDA_STEP_TILE_VECTORS 16
+#endif
+inline constexpr int step_threads = RECATTN_CUDA_STEP_THREADS;
+inline constexpr int step_tile_vectors = RECATTN_CUDA_STEP_TILE_VECTORS;
+static_assert(step_threads % 32 == 0 && step_threads <= 256 && step_tile_vectors >= 1 && step_tile_vectors <= 16,
+              "RECATTN_CUDA_STEP_THREADS: a multiple of 32 up to 256; RECATTN_CUDA_STEP_TILE_VECTORS: 1 to 16");
 /// Blocks of step_max_threads an SM must hold: at most 64 registers a thread.
 inline constexpr int step_min_blocks = 4;
 /// Commit groups of a block's tile copies (1 to 4: cp_async_wait_upto).
