@@ -8,29 +8,13 @@
 #include <cmath>
 #include <limits>
 
+#include "support/decay_laws.hpp"
 #include "test_backward_common.hpp"
 
 using namespace recattn;
 using namespace recattn::testing;
 
 namespace {
-
-using gate_law = double (*)(rng&, std::int64_t t, std::int64_t c);
-
-/// Replaces every present gate of `d` with values drawn from `law` (g_gamma scaled down: it
-/// applies to every token).
-void set_gates(problem_data& d, gate_law law, std::uint64_t seed) {
-  rng r(seed);
-  if (d.g.present()) d.g.fill([&](const idx& i) { return law(r, i[1], 0); });
-  if (d.g_gamma.present()) d.g_gamma.fill([&](const idx&) { return law(r, 0, 0) / 64; });
-  if (d.gk.present()) d.gk.fill([&](const idx& i) { return law(r, i[1], i[3]); });
-  if (d.gv.present()) d.gv.fill([&](const idx& i) { return law(r, i[1], i[3]); });
-}
-
-double strong(rng& r, std::int64_t, std::int64_t) { return r.uniform(-20.0, 0.0); }
-double mixed(rng& r, std::int64_t, std::int64_t c) { return c % 2 == 0 ? -1e-3 * r.uniform(0.0, 1.0) : r.uniform(-20.0, -5.0); }
-double moderate(rng& r, std::int64_t, std::int64_t) { return r.uniform(-0.8, 0.0); }
-double growing(rng& r, std::int64_t, std::int64_t c) { return c % 3 == 0 ? r.uniform(-0.05, 0.01) : r.uniform(0.0, 0.03); }
 
 const unsigned decaying_gate_sets[] = {gate_g,           gate_gk, gate_gv, gate_g | gate_gk, gate_gk | gate_gv,
                                        gate_g_gamma | gate_gv, 15u};
@@ -40,8 +24,6 @@ const unsigned decaying_gate_sets[] = {gate_g,           gate_gk, gate_gv, gate_
 TEST_CASE("backward: strong, mixed, moderate and growing decays match the reference", "[backward][decay]") {
   const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
   const int law_index = GENERATE(0, 1, 2, 3);
-  const gate_law laws[] = {strong, mixed, moderate, growing};
-  const char* names[] = {"strong", "mixed", "moderate", "growing"};
   const int chunk = GENERATE(0, 1, 5);  // 0: the heuristic
   problem_spec s;
   s.B = 2, s.T = 300, s.Hq = s.Hk = s.Hv = 2, s.K = 9, s.V = 17;
@@ -49,7 +31,7 @@ TEST_CASE("backward: strong, mixed, moderate and growing decays match the refere
   s.initial_state = true;
   s.seed = 700 + gates + 16 * unsigned(law_index);
   problem_data d = generate(s);
-  set_gates(d, laws[law_index], s.seed);
+  set_gates(d, decay_laws[law_index], s.seed);
   const incoming in = make_incoming(s, true, s.seed + 1);
   for (bool reverse : {false, true}) {
     forward_options o = d.options();
@@ -59,7 +41,7 @@ TEST_CASE("backward: strong, mixed, moderate and growing decays match the refere
       c.chunk = chunk;
       o.cfg = c;
     }
-    INFO(s.str() << " gates " << names[law_index] << " chunk " << chunk << (reverse ? " reverse" : ""));
+    INFO(s.str() << " gates " << decay_law_names[law_index] << " chunk " << chunk << (reverse ? " reverse" : ""));
     const grad_errors e = compare(run_backward(d, o, in), run_reference_backward(d, o, in));
     INFO(e.str());
     CHECK(e.max() < 1e-4);
@@ -69,16 +51,15 @@ TEST_CASE("backward: strong, mixed, moderate and growing decays match the refere
 TEST_CASE("backward: T = 16384 under strong and mixed decays stays within 1e-4", "[backward][decay][long]") {
   const unsigned gates = GENERATE(unsigned(gate_gk), unsigned(gate_g | gate_gv), 15u);
   const int law_index = GENERATE(0, 1, 2);
-  const gate_law laws[] = {strong, mixed, moderate};
   problem_spec s;
   s.Hq = s.Hk = s.Hv = 1, s.K = 8, s.V = 8, s.T = 16384;
   s.gates = gates;
   s.initial_state = true;
   s.seed = 3000 + gates + 16 * unsigned(law_index);
   problem_data d = generate(s);
-  set_gates(d, laws[law_index], s.seed);
+  set_gates(d, decay_laws[law_index], s.seed);
   const incoming in = make_incoming(s, true, 5);
-  INFO(s.str() << " law " << law_index);
+  INFO(s.str() << " law " << decay_law_names[law_index]);
   const grad_errors e = compare(run_backward(d, d.options(), in), run_reference_backward(d, d.options(), in));
   INFO(e.str());
   CHECK(e.max() < 1e-4);

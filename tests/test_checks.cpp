@@ -514,67 +514,62 @@ TEST_CASE("checks: a step that needs a variant this build cut names the macro", 
   }
 }
 
-TEST_CASE("checks: a CPU cfg.chunk above the bound (forward and backward)", "[checks][cfg]") {
-  cfg big;
-  big.chunk = cpu::cpu_max_chunk + 1;
-  const std::string got = std::to_string(cpu::cpu_max_chunk + 1);
-  {
-    forward_call f(spec());
-    f.o.cfg = big;
-    check_message(f.run(), "cfg.chunk", "a value <= " + std::to_string(cpu::cpu_max_chunk), got);
-    CHECK(untouched(f.out));
-    CHECK(untouched(f.state));
-  }
-  {
-    backward_call b(spec());
-    b.o.cfg = big;
-    check_message(b.run(), "cfg.chunk", "a value <= " + std::to_string(cpu::cpu_max_chunk), got);
-    CHECK(b.untouched_all());
-  }
-  // The bound itself is accepted and computed.
-  forward_call f(spec());
-  cfg at_bound;
-  at_bound.chunk = cpu::cpu_max_chunk;
-  f.o.cfg = at_bound;
-  REQUIRE(f.run().empty());
-  CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
-}
+namespace {
 
-TEST_CASE("checks: a CPU cfg.threads above the bound (forward, backward, step)", "[checks][cfg]") {
-  // Without the bound, INT_MAX threads would be started (a std::system_error or an OpenMP
-  // abort, not a recattn::Error).
-  for (const int threads : {cpu::cpu_max_threads + 1, std::numeric_limits<int>::max()}) {
-    cfg big;
-    big.threads = threads;
-    const std::string want = "a value <= " + std::to_string(cpu::cpu_max_threads), got = std::to_string(threads);
-    {
-      forward_call f(spec());
-      f.o.cfg = big;
-      check_message(f.run(), "cfg.threads", want, got);
-      CHECK(untouched(f.out));
-      CHECK(untouched(f.state));
+/// A CPU cfg field with an upper bound. Without the bounds, a huge cfg.chunk was a
+/// std::bad_alloc (the staging buffers) and a huge cfg.threads started that many threads (a
+/// std::system_error or an OpenMP abort), neither a recattn::Error.
+struct cfg_bound {
+  const char* name;
+  int cfg::*field;
+  int bound;
+  bool step;  ///< the step reads it too
+};
+
+}  // namespace
+
+TEST_CASE("checks: CPU cfg.chunk and cfg.threads above their bounds (forward, backward, step)", "[checks][cfg]") {
+  const cfg_bound bounds[] = {{"cfg.chunk", &cfg::chunk, cpu::cpu_max_chunk, false},
+                              {"cfg.threads", &cfg::threads, cpu::cpu_max_threads, true}};
+  for (const cfg_bound& b : bounds) {
+    INFO(b.name);
+    const std::string want = "a value <= " + std::to_string(b.bound);
+    for (const int value : {b.bound + 1, std::numeric_limits<int>::max()}) {
+      cfg big;
+      big.*b.field = value;
+      const std::string got = std::to_string(value);
+      {
+        forward_call f(spec());
+        f.o.cfg = big;
+        check_message(f.run(), b.name, want, got);
+        CHECK(untouched(f.out));
+        CHECK(untouched(f.state));
+      }
+      {
+        backward_call bc(spec());
+        bc.o.cfg = big;
+        check_message(bc.run(), b.name, want, got);
+        CHECK(bc.untouched_all());
+      }
+      if (b.step) {
+        step_call c;
+        c.o.cfg = big;
+        check_message(c.run(), b.name, want, got);
+        CHECK(c.untouched_all());
+      }
     }
-    {
-      backward_call b(spec());
-      b.o.cfg = big;
-      check_message(b.run(), "cfg.threads", want, got);
-      CHECK(b.untouched_all());
-    }
-    {
+    // The bound itself is accepted and computed (threads: the workers are capped by the
+    // work items).
+    cfg at_bound;
+    at_bound.*b.field = b.bound;
+    forward_call f(spec());
+    f.o.cfg = at_bound;
+    REQUIRE(f.run().empty());
+    CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
+    if (b.step) {
       step_call c;
-      c.o.cfg = big;
-      check_message(c.run(), "cfg.threads", want, got);
-      CHECK(c.untouched_all());
+      c.o.cfg = at_bound;
+      CHECK(c.run().empty());
     }
   }
-  // The bound itself is accepted and computed (the workers are capped by the work items).
-  forward_call f(spec());
-  cfg at_bound;
-  at_bound.threads = cpu::cpu_max_threads;
-  f.o.cfg = at_bound;
-  REQUIRE(f.run().empty());
-  CHECK(rel_error(f.out, run_reference(f.d, f.o).output) < 1e-4);
-  step_call c;
-  c.o.cfg = at_bound;
-  CHECK(c.run().empty());
 }

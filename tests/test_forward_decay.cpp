@@ -9,33 +9,13 @@
 #include <limits>
 #include <vector>
 
+#include "support/decay_laws.hpp"
 #include "support/forward.hpp"
 
 using namespace recattn;
 using namespace recattn::testing;
 
 namespace {
-
-/// Gate values as a function of (token, channel): channel is the K or V index of gk or gv,
-/// 0 for g and g_gamma.
-using gate_law = double (*)(rng&, std::int64_t t, std::int64_t c);
-
-/// Replaces every present gate of `d` with values drawn from `law`.
-void set_gates(problem_data& d, gate_law law, std::uint64_t seed) {
-  rng r(seed);
-  if (d.g.present()) d.g.fill([&](const idx& i) { return law(r, i[1], 0); });
-  if (d.g_gamma.present()) d.g_gamma.fill([&](const idx&) { return law(r, 0, 0) / 64; });
-  if (d.gk.present()) d.gk.fill([&](const idx& i) { return law(r, i[1], i[3]); });
-  if (d.gv.present()) d.gv.fill([&](const idx& i) { return law(r, i[1], i[3]); });
-}
-
-double strong(rng& r, std::int64_t, std::int64_t) { return r.uniform(-20.0, 0.0); }
-/// Even channels barely decay (long memory), odd ones decay by e^-5 .. e^-20 per token.
-double mixed(rng& r, std::int64_t, std::int64_t c) { return c % 2 == 0 ? -1e-3 * r.uniform(0.0, 1.0) : r.uniform(-20.0, -5.0); }
-/// Moderate decays: segments of tens of tokens, spanning chunks.
-double moderate(rng& r, std::int64_t, std::int64_t) { return r.uniform(-0.8, 0.0); }
-/// Growth and decay mixed: the state grows by about e^0.01 per token on average.
-double growing(rng& r, std::int64_t, std::int64_t c) { return c % 3 == 0 ? r.uniform(-0.05, 0.01) : r.uniform(0.0, 0.03); }
 
 const unsigned decaying_gate_sets[] = {gate_g, gate_gk, gate_gv, gate_g | gate_gk, gate_gk | gate_gv, 15u};
 
@@ -45,31 +25,35 @@ void check_against_reference(const problem_data& d, const forward_options& o, do
   CHECK(e.state < tol);
 }
 
-}  // namespace
-
-TEST_CASE("strong, mixed, moderate and growing decays match the reference", "[forward][decay][float]") {
-  const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
-  const int law_index = GENERATE(0, 1, 2, 3);
-  const gate_law laws[] = {strong, mixed, moderate, growing};
-  const char* names[] = {"strong", "mixed", "moderate", "growing"};
-  const int chunk = GENERATE(0, 1, 5);  // 0: the heuristic (32)
-  problem_spec s;
-  s.B = 2, s.T = 300, s.Hq = s.Hk = s.Hv = 3, s.K = 9, s.V = 17;
-  s.gates = gates;
-  s.initial_state = true;
-  s.seed = 900 + gates + 16 * unsigned(law_index);
+/// s with gates drawn from decay_laws[law], cfg.chunk = chunk (0: the heuristic), forward and
+/// reverse, within 1e-4 of the reference.
+void check_law(const problem_spec& s, int law, int chunk) {
   problem_data d = generate(s);
-  set_gates(d, laws[law_index], s.seed);
+  set_gates(d, decay_laws[law], s.seed);
   forward_options o = d.options();
   if (chunk) {
     cfg c;
     c.chunk = chunk;
     o.cfg = c;
   }
-  INFO(s.str() << " gates " << names[law_index] << " chunk " << chunk);
+  INFO(s.str() << " gates " << decay_law_names[law] << " chunk " << chunk);
   check_against_reference(d, o, 1e-4);
   o.reverse = true;
   check_against_reference(d, o, 1e-4);
+}
+
+}  // namespace
+
+TEST_CASE("strong, mixed, moderate and growing decays match the reference", "[forward][decay][float]") {
+  const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
+  const int law_index = GENERATE(0, 1, 2, 3);
+  const int chunk = GENERATE(0, 1, 5);  // 0: the heuristic (32)
+  problem_spec s;
+  s.B = 2, s.T = 300, s.Hq = s.Hk = s.Hv = 3, s.K = 9, s.V = 17;
+  s.gates = gates;
+  s.initial_state = true;
+  s.seed = 900 + gates + 16 * unsigned(law_index);
+  check_law(s, law_index, chunk);
 }
 
 TEST_CASE("decays with K and V whole SIMD registers (the float one-pass staging) match the reference",
@@ -79,26 +63,13 @@ TEST_CASE("decays with K and V whole SIMD registers (the float one-pass staging)
   const unsigned gates = GENERATE(gate_g, gate_g_gamma, gate_gk, gate_g | gate_gk, gate_g_gamma | gate_gk,
                                   gate_g | gate_g_gamma | gate_gk, gate_gk | gate_gv);
   const int law_index = GENERATE(0, 1, 2, 3);
-  const gate_law laws[] = {strong, mixed, moderate, growing};
-  const char* names[] = {"strong", "mixed", "moderate", "growing"};
   const int chunk = GENERATE(0, 5);
   problem_spec s;
   s.B = 2, s.T = 150, s.Hq = s.Hk = s.Hv = 2, s.K = 32, s.V = 16;
   s.gates = gates;
   s.initial_state = true;
   s.seed = 950 + gates + 16 * unsigned(law_index);
-  problem_data d = generate(s);
-  set_gates(d, laws[law_index], s.seed);
-  forward_options o = d.options();
-  if (chunk) {
-    cfg c;
-    c.chunk = chunk;
-    o.cfg = c;
-  }
-  INFO(s.str() << " gates " << names[law_index] << " chunk " << chunk);
-  check_against_reference(d, o, 1e-4);
-  o.reverse = true;
-  check_against_reference(d, o, 1e-4);
+  check_law(s, law_index, chunk);
 }
 
 TEST_CASE("double inputs under strong and growing decays match the reference", "[forward][decay][double]") {
@@ -119,16 +90,15 @@ TEST_CASE("double inputs under strong and growing decays match the reference", "
 TEST_CASE("float forward stays within 1e-4 of the reference for T = 16384 under strong decays",
           "[forward][decay][float][long]") {
   const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
-  const int law_index = GENERATE(0, 1, 2);
-  const gate_law laws[] = {strong, mixed, moderate};
+  const int law_index = GENERATE(0, 1, 2);  // strong, mixed, moderate
   problem_spec s;
   s.Hq = s.Hk = s.Hv = 2, s.K = 8, s.V = 8, s.T = 16384;
   s.gates = gates;
   s.initial_state = true;
   s.seed = 16384 + gates + 16 * unsigned(law_index);
   problem_data d = generate(s);
-  set_gates(d, laws[law_index], s.seed);
-  INFO(s.str() << " law " << law_index);
+  set_gates(d, decay_laws[law_index], s.seed);
+  INFO(s.str() << " law " << decay_law_names[law_index]);
   check_against_reference(d, d.options(), 1e-4);
 }
 

@@ -211,37 +211,7 @@ class fast_rng {
 };
 
 /// testing::generate with fast_rng: the same draws in the same order.
-problem_data generate_fast(const problem_spec& s) {
-  fast_rng r(s.seed);
-  auto gaps = [&](int rank) {
-    std::vector<std::int64_t> g;
-    if (s.strided)
-      for (int j = 0; j + 1 < rank; ++j) g.push_back(j + 1 + r.integer(0, 3));
-    return g;
-  };
-  auto normal = [&](const idx&) { return r.normal(); };
-  auto gate = [&](const idx&) { return log_sigmoid(s.gate_bias + r.normal()); };
-  problem_data d;
-  d.spec = s;
-  const std::int64_t H = s.H();
-  d.q = buffer(s.type, {s.B, s.T, s.Hq, s.K}, gaps(4)).fill(normal);
-  d.k = buffer(s.type, {s.B, s.T, s.Hk, s.K}, gaps(4)).fill(normal);
-  d.v = buffer(s.type, {s.B, s.T, s.Hv, s.V}, gaps(4)).fill(normal);
-  if (s.gates & gate_g) d.g = buffer(s.gate_type(), {s.B, s.T, H}, gaps(3)).fill(gate);
-  if (s.gates & gate_g_gamma) {
-    d.g_gamma = s.g_gamma_per_sequence ? buffer(s.gate_type(), {s.N(), H}, gaps(2)) : buffer(s.gate_type(), {H});
-    d.g_gamma.fill(gate);
-  }
-  if (s.gates & gate_gk) d.gk = buffer(s.gate_type(), {s.B, s.T, H, s.K}, gaps(4)).fill(gate);
-  if (s.gates & gate_gv) d.gv = buffer(s.gate_type(), {s.B, s.T, H, s.V}, gaps(4)).fill(gate);
-  if (s.initial_state) d.initial_state = buffer(s.state_type(), s.state_shape(), gaps(4)).fill(normal);
-  if (s.varlen()) {
-    const std::vector<std::int64_t> cu = s.cu_seqlens();
-    d.cu_seqlens = buffer(s.cu_type, {std::int64_t(cu.size())});
-    d.cu_seqlens.fill([&](const idx& i) { return double(cu[std::size_t(i[0])]); });
-  }
-  return d;
-}
+problem_data generate_fast(const problem_spec& s) { return generate_with<fast_rng>(s); }
 
 /// Whether fast_rng and generate_fast give testing::rng's and testing::generate's numbers,
 /// bit for bit (checked once per process): otherwise the harness uses those.
