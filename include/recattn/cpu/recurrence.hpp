@@ -1,15 +1,26 @@
 // The CPU forward kernel: one xsimd kernel for every gate policy, direction, layout, dtype
-// and state layout.
+// and state layout (bench/README.md, "What the kernel does", has the measurements).
 //
-// Work item = (sequence n, head h, block of value columns). An item keeps its K x block_v
-// slice of the state in an aligned scratch tile (L1-resident for the default sizes) and walks
-// its tokens in chunks: `stage` converts a chunk of q, k, v to the accumulator type and
-// exponentiates its gates (so the inner loop sees only multiplies), then `scan_tile` runs the
-// recurrence over the chunk, NV SIMD registers of value columns at a time:
+// Work item = (sequence n, G consecutive heads, block of value columns) (group_item; G the
+// largest divisor of H whose states fit 512 KiB and that leaves one item per thread). An
+// item keeps its heads' K x block_v state slices in aligned scratch and walks the tokens in
+// chunks of cfg.chunk; for each head, `stage_group` (or, for float inputs whose K and value
+// block are whole registers, the one-pass `stage_group_float`) converts the chunk's q, k, v
+// to the accumulator type and exponentiates the gates, then `scan` runs the recurrence over
+// it in register tiles (`scan_tile`, RECATTN_CPU_TILE_ROWS key rows x RECATTN_CPU_TILE_REGS
+// registers of value columns), right after the staging so that the staged rows are in L1.
 //
-//   for a in [0, K):  s = D[a, :] * s + k[a] * v ;  o += q[a] * s
+// Rescaled recurrence: within a segment the state is kept divided by the decay product since
+// the segment began (per key row for g, g_gamma and gk, per value column for gv), so the
+// scan is, for every gate set,
 //
-// which is 3 vector operations per state element and token (2 without a decay).
+//   for a in [0, K):  s += k'[a] * v' ;  o += q'[a] * s        (two FMAs per element)
+//
+// with q' = q * R and k' = k / R (and v', o scaled for gv) done by the staging. A segment
+// ends before the token that would take a product out of [e^-20, e^20]; that token's decay
+// is applied to the true state as a plain multiply (segment_factors: a decay of 0 zeroes the
+// state exactly). The next chunk's input and output rows are prefetched a few lines at a
+// time inside the register tiles (prefetch_queue).
 #pragma once
 
 #include <algorithm>
