@@ -145,7 +145,7 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
     }
 }
 
-TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked]") {
+TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked][long]") {
   std::uint64_t seed = 600;
   for (unsigned gates : {0u, unsigned(recattn::gate_g)}) {
     spec s;

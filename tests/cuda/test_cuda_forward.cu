@@ -318,7 +318,7 @@ TEST_CASE("cuda forward: bad input is rejected before anything is written", "[cu
 // call and error, writes nothing, and leaves the context usable for the next call. The public
 // call checks cfg first (resolve_cfg); the implementation reached through get_impl takes a
 // cfg as given, so a chunk whose shared memory exceeds the device's limit reaches the launch.
-TEST_CASE("cuda forward: a refused launch is a recattn::Error and the context stays usable", "[cuda]") {
+TEST_CASE("cuda forward: a refused launch is a recattn::Error and the context stays usable", "[cuda][api-error]") {
   spec s;
   s.type = dtype::bfloat16;
   s.gate_type = dtype::bfloat16;
