@@ -103,12 +103,6 @@ static_assert(step_threads % 32 == 0 && step_threads <= 256 && step_tile_vectors
               "RECATTN_CUDA_STEP_THREADS: a multiple of 32 up to 256; RECATTN_CUDA_STEP_TILE_VECTORS: 1 to 16");
 /// Blocks of step_max_threads an SM must hold: at most 64 registers a thread.
 inline constexpr int step_min_blocks = 4;
-/// Commit groups of a block's tile copies (1 to 4: cp_async_wait_upto).
-#ifndef RECATTN_CUDA_STEP_COPY_GROUPS
-#define RECATTN_CUDA_STEP_COPY_GROUPS 1
-#endif
-inline constexpr int step_copy_groups = RECATTN_CUDA_STEP_COPY_GROUPS;
-static_assert(step_copy_groups >= 1 && step_copy_groups <= 4, "RECATTN_CUDA_STEP_COPY_GROUPS: 1 to 4");
 
 namespace detail {
 
@@ -148,16 +142,6 @@ __device__ __forceinline__ uint4 pack_vec(const Acc (&x)[step_vec<S>]) {
     for (int i = 0; i < step_vec<S>; ++i) e[i] = from_acc<S>(x[i]);
   }
   return raw;
-}
-
-/// cp.async.wait_group with a run-time count (0 .. 3).
-__device__ __forceinline__ void cp_async_wait_upto(int pending) {
-  switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    default: cp_async_wait<3>(); break;
-  }
 }
 
 /// How a step scales the state: no decay; a decay per key row (g, g_gamma, gk); one per key
@@ -212,18 +196,13 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
   const std::int64_t s2 = p.pool_s2;
 
   S* pool = static_cast<S*>(p.pool) + slot * p.pool_s0 + std::int64_t(h) * p.pool_s1;
-  // The copies go in step_copy_groups commit groups of gs vectors (vector v = j * nc + i):
-  // the first token's update starts on group 0 while the later groups are still in flight.
+  // The whole tile in one commit group (vector v = j * nc + i); the first token waits for it
+  // once its staging is done.
   uint4* tile = reinterpret_cast<uint4*>(smem_raw);
-  const int gs = (nr * nc + step_copy_groups - 1) / step_copy_groups;
-  for (int g = 0; g < step_copy_groups; ++g) {
-    for (int v = g * gs; v < min((g + 1) * gs, nr * nc); ++v) {
-      const int j = v / nc, i = v - j * nc;
-      if (j < nrow && i < ncol)
-        cp_async<16>(tile + v * nthreads + tid, pool + std::int64_t(row0 + j * rstep) * s2 + col0 + i * cw, 16);
-    }
-    cp_async_commit();
-  }
+  for (int j = 0; j < nrow; ++j)
+    for (int i = 0; i < ncol; ++i)
+      cp_async<16>(tile + (j * nc + i) * nthreads + tid, pool + std::int64_t(row0 + j * rstep) * s2 + col0 + i * cw, 16);
+  cp_async_commit();
 
   // Shared memory after the tile: q * scale, k, row decay [K]; the block's v and column
   // decay [vw] (vw = cw value columns for [K, V], rp * nr value rows for [V, K], from v0);
@@ -267,16 +246,9 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       }
     }
     __syncthreads();
-    // Before vector v is read on the first token: its copy group has landed (the thread's
-    // own copies; no other thread reads them).
-    int bound = l == 0 ? 0 : nr * nc;  // vectors from here on wait for their group
-    auto landed = [&](int v) {
-      if (v >= bound) {
-        const int g = v / gs;
-        bound = (g + 1) * gs;
-        cp_async_wait_upto(step_copy_groups - 1 - g);
-      }
-    };
+    // Before the first token reads the tile: the thread's own copies have landed (no other
+    // thread reads them).
+    if (l == 0) cp_async_wait<0>();
 
     // Where the updated vectors go: the pool on the row's last token, else back to the tile;
     // and the snapshot slot of this token, if any.
@@ -319,7 +291,6 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
         for (int j = 0; j < nrow; ++j) {
           const Acc qa = qa_p[j], ka = ka_p[j], da = da_p[j];
           Acc x[VEC];
-          landed(j);
           unpack_vec<Acc, S>(src[j * nthreads], x);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
@@ -369,7 +340,6 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
           for (int i = 0; i < ncol; ++i) {
             const int c = col0 + i * cw;
             Acc x[VEC];
-            landed(j * nc + i);
             unpack_vec<Acc, S>(tile[(j * nc + i) * nthreads + tid], x);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
