@@ -144,6 +144,11 @@ __device__ __forceinline__ uint4 pack_vec(const Acc (&x)[step_vec<S>]) {
   return raw;
 }
 
+/// A key row's coefficients in a [K, V] step: q * scale, k, the row decay; one aligned load.
+template <class Acc> struct alignas(4 * sizeof(Acc)) key_coef {
+  Acc q, k, d, pad;
+};
+
 /// How a step scales the state: no decay; a decay per key row (g, g_gamma, gk); one per key
 /// row and one per value column (gv). Block-uniform: the update loop is compiled for each.
 enum step_decay : int { decay_none, decay_rows, decay_both };
@@ -158,7 +163,7 @@ template <class T, class S, bool VK>
 __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel(const step_params p) {
   using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
   constexpr int VEC = step_vec<S>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(32) unsigned char smem_raw[];
 
   const int tpr = p.tpr, nthreads = int(blockDim.x), rp = nthreads / tpr;
   const int tid = int(threadIdx.x);
@@ -204,15 +209,22 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       cp_async<16>(tile + (j * nc + i) * nthreads + tid, pool + std::int64_t(row0 + j * rstep) * s2 + col0 + i * cw, 16);
   cp_async_commit();
 
-  // Shared memory after the tile: q * scale, k, row decay [K]; the block's v and column
-  // decay [vw] (vw = cw value columns for [K, V], rp * nr value rows for [V, K], from v0);
-  // [K, V]: the partial outputs of the warps [nthreads / 32][cw].
+  // Shared memory after the tile (a multiple of 512 bytes): q * scale, k and the row decay
+  // as three arrays [K]; with a bfloat16 [K, V] pool, the same as one array of {q * scale,
+  // k, decay, 0} [K] instead (key_coef: a thread reads a key row's three in one load; with
+  // twice the elements per 16-byte vector, the bfloat16 update is short of instructions, not
+  // registers: 0.0781 -> 0.0768 ms on the H200; the float state, packed too, spilled and
+  // slowed down, 0.1393 -> 0.1412 ms, bench/README.md). Then the block's v and column decay [vw] (vw = cw value
+  // columns for [K, V], rp * nr value rows for [V, K], from v0); [K, V]: the partial outputs
+  // of the warps [nthreads / 32][cw].
+  constexpr bool packed = !VK && std::is_same<S, bfloat16>::value;
   const int vw = VK ? rp * nr : cw;
   const std::int64_t v0 = VK ? r0 : c0;
   Acc* qs = reinterpret_cast<Acc*>(tile + nr * nc * nthreads);
   Acc* ks = qs + p.K;
   Acc* dks = ks + p.K;
-  Acc* vs = dks + p.K;
+  key_coef<Acc>* coef = reinterpret_cast<key_coef<Acc>*>(qs);
+  Acc* vs = qs + (packed ? 4 : 3) * p.K;
   Acc* dvs = vs + vw;
   Acc* red = dvs + vw;
   const int hq = h / p.gq, hk = h / p.gkh, hv = h / p.gvh;
@@ -232,10 +244,16 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       if (p.g) base += load_any<Acc>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + h * p.g_s2);
       const Acc dk_scalar = decay_k && !p.gk ? exp_acc(base) : Acc(1);
       for (int a = tid; a < p.K; a += nthreads) {
-        qs[a] = scale * to_acc<Acc>(qr[a]);
-        ks[a] = to_acc<Acc>(kr[a]);
-        dks[a] = p.gk ? exp_acc(base + load_any<Acc>(p.gk, p.gk_type, bidx * p.gk_s0 + t * p.gk_s1 + h * p.gk_s2 + a))
-                      : dk_scalar;
+        const Acc qa = scale * to_acc<Acc>(qr[a]), ka = to_acc<Acc>(kr[a]);
+        const Acc da = p.gk ? exp_acc(base + load_any<Acc>(p.gk, p.gk_type, bidx * p.gk_s0 + t * p.gk_s1 + h * p.gk_s2 + a))
+                            : dk_scalar;
+        if constexpr (!packed) {
+          qs[a] = qa;
+          ks[a] = ka;
+          dks[a] = da;
+        } else {
+          coef[a] = key_coef<Acc>{qa, ka, da, Acc(0)};
+        }
       }
       for (int j = tid; j < vw; j += nthreads) {
         const std::int64_t b = v0 + j;
@@ -281,15 +299,20 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       auto update = [&](auto mode, auto fast) {
         constexpr int M = decltype(mode)::value;
         constexpr bool fast_path = decltype(fast)::value;
-        const Acc* qa_p = qs + row0;
-        const Acc* ka_p = ks + row0;
-        const Acc* da_p = dks + row0;
+        const key_coef<Acc>* cf = coef + row0;
+        const Acc *qa_p = qs + row0, *ka_p = ks + row0, *da_p = dks + row0;
         const uint4* src = tile + tid;
         uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
         const std::int64_t dstep = s2 / VEC;  // a row in 16-byte vectors (s2 % VEC == 0)
 #pragma unroll 2
         for (int j = 0; j < nrow; ++j) {
-          const Acc qa = qa_p[j], ka = ka_p[j], da = da_p[j];
+          Acc qa, ka, da;
+          if constexpr (packed) {
+            const key_coef<Acc> c = cf[j];
+            qa = c.q, ka = c.k, da = c.d;
+          } else {
+            qa = qa_p[j], ka = ka_p[j], da = da_p[j];
+          }
           Acc x[VEC];
           unpack_vec<Acc, S>(src[j * nthreads], x);
 #pragma unroll
@@ -487,7 +510,8 @@ inline detail::step_shape step_launch_shape(const step_problem& sp, const std::o
   const int rp = sh.threads / sh.tpr;
   const int vw = vk ? rp * sh.nr : sh.tpr * VEC;
   const std::size_t tile = std::size_t(sh.nr) * std::size_t(sh.nc) * std::size_t(sh.threads) * 16;
-  sh.smem = tile + acc * std::size_t(3 * p.K + 2 * vw + (vk ? 0 : std::int64_t(sh.threads / 32) * sh.tpr * VEC));
+  const bool packed = !vk && sp.state_type == dtype::bfloat16;  // step_kernel's key_coef array
+  sh.smem = tile + acc * std::size_t((packed ? 4 : 3) * p.K + 2 * vw + (vk ? 0 : std::int64_t(sh.threads / 32) * sh.tpr * VEC));
   if (heads * std::int64_t(sh.nblk) > (std::int64_t(1) << 31) - 1)
     fail("query", "fewer than 2^31 (row, head, block) work items on platform cuda", cat("N = ", p.N, ", H = ", p.H));
   return sh;
