@@ -214,9 +214,9 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
   // k, decay, 0} [K] instead (key_coef: a thread reads a key row's three in one load; with
   // twice the elements per 16-byte vector, the bfloat16 update is short of instructions, not
   // registers: 0.0781 -> 0.0768 ms on the H200; the float state, packed too, spilled and
-  // slowed down, 0.1393 -> 0.1412 ms, bench/README.md). Then the block's v and column decay [vw] (vw = cw value
-  // columns for [K, V], rp * nr value rows for [V, K], from v0); [K, V]: the partial outputs
-  // of the warps [nthreads / 32][cw].
+  // slowed down, 0.1393 -> 0.1412 ms, bench/README.md). Then the block's v and column decay
+  // [vw] (vw = cw value columns for [K, V], rp * nr value rows for [V, K], from v0); [K, V]:
+  // the partial outputs of the warps [nthreads / 32][cw].
   constexpr bool packed = !VK && std::is_same<S, bfloat16>::value;
   const int vw = VK ? rp * nr : cw;
   const std::int64_t v0 = VK ? r0 : c0;
