@@ -149,6 +149,10 @@ template <class Acc> struct alignas(4 * sizeof(Acc)) key_coef {
   Acc q, k, d, pad;
 };
 
+/// Whether a step stages its key rows as key_coef (a bfloat16 [K, V] pool) rather than as
+/// three arrays: the kernel's shared-memory layout and step_launch_shape's size both ask here.
+constexpr bool step_packs_key_rows(bool vk, bool bf16_state) { return !vk && bf16_state; }
+
 /// How a step scales the state: no decay; a decay per key row (g, g_gamma, gk); one per key
 /// row and one per value column (gv). Block-uniform: the update loop is compiled for each.
 enum step_decay : int { decay_none, decay_rows, decay_both };
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
   // slowed down, 0.1393 -> 0.1412 ms, bench/README.md). Then the block's v and column decay
   // [vw] (vw = cw value columns for [K, V], rp * nr value rows for [V, K], from v0); [K, V]:
   // the partial outputs of the warps [nthreads / 32][cw].
-  constexpr bool packed = !VK && std::is_same<S, bfloat16>::value;
+  constexpr bool packed = step_packs_key_rows(VK, std::is_same<S, bfloat16>::value);
   const int vw = VK ? rp * nr : cw;
   const std::int64_t v0 = VK ? r0 : c0;
   Acc* qs = reinterpret_cast<Acc*>(tile + nr * nc * nthreads);
@@ -510,7 +514,7 @@ inline detail::step_shape step_launch_shape(const step_problem& sp, const std::o
   const int rp = sh.threads / sh.tpr;
   const int vw = vk ? rp * sh.nr : sh.tpr * VEC;
   const std::size_t tile = std::size_t(sh.nr) * std::size_t(sh.nc) * std::size_t(sh.threads) * 16;
-  const bool packed = !vk && sp.state_type == dtype::bfloat16;  // step_kernel's key_coef array
+  const bool packed = detail::step_packs_key_rows(vk, sp.state_type == dtype::bfloat16);
   sh.smem = tile + acc * std::size_t((packed ? 4 : 3) * p.K + 2 * vw + (vk ? 0 : std::int64_t(sh.threads / 32) * sh.tpr * VEC));
   if (heads * std::int64_t(sh.nblk) > (std::int64_t(1) << 31) - 1)
     fail("query", "fewer than 2^31 (row, head, block) work items on platform cuda", cat("N = ", p.N, ", H = ", p.H));
