@@ -19,6 +19,8 @@ has() { for m in "${modes[@]}"; do [ "$m" = "$1" ] || [ "$m" = all ] && return 0
 tests="${TESTS:-$(cd "$here" && ls test_* 2>/dev/null)}"
 benches="${BENCHES:-$(cd "$here" && ls cuda_* 2>/dev/null)}"
 status=0
+# The lines of a sanitizer log worth a summary line.
+san_summary() { grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|not supported|test cases' "$1" | head -3 | tr '\n' ' '; }
 for n in $tests; do
   t="$here/$n"
   [ -x "$t" ] || continue
@@ -32,10 +34,9 @@ for n in $tests; do
       s=$SECONDS
       extra=()
       [ "$tool" = memcheck ] && extra=(--leak-check full)
-      # shellcheck disable=SC2086
       timeout "${SAN_TIMEOUT:-600}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 "$t" \
         "~[api-error]${SAN_EXCLUDE:+~$SAN_EXCLUDE}" > "$out/$n.$tool.log" 2>&1; rc=$?
-      echo "$n $tool: rc=$rc $((SECONDS - s))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|not supported|test cases' "$out/$n.$tool.log" | head -3 | tr '\n' ' ')"
+      echo "$n $tool: rc=$rc $((SECONDS - s))s $(san_summary "$out/$n.$tool.log")"
       [ $rc -eq 0 ] || status=1
       # Cases tagged [api-error] make a CUDA call fail on purpose (a refused launch) and check
       # that it becomes a recattn::Error: the tool runs them with API errors unreported.
@@ -43,7 +44,7 @@ for n in $tests; do
         s=$SECONDS
         timeout "${SAN_TIMEOUT:-600}" compute-sanitizer --tool "$tool" "${extra[@]}" --report-api-errors no \
           --error-exitcode 9 "$t" "[api-error]" > "$out/$n.$tool.api-error.log" 2>&1; rc=$?
-        echo "$n [api-error] $tool: rc=$rc $((SECONDS - s))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|not supported|test cases' "$out/$n.$tool.api-error.log" | head -3 | tr '\n' ' ')"
+        echo "$n [api-error] $tool: rc=$rc $((SECONDS - s))s $(san_summary "$out/$n.$tool.api-error.log")"
         [ $rc -eq 0 ] || status=1
       fi
     done
