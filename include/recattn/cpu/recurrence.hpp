@@ -361,11 +361,6 @@ inline std::vector<cfg> cpu_candidate_cfgs(const problem& p) {
 
 namespace detail {
 
-/// One work item of the direct form: sequence n, head h, value columns [b0, b0 + w) padded to wp.
-struct work_item {
-  std::int64_t n, h, b0, w, wp, batch;
-};
-
 /// One work item of the forward: sequence n, heads [h0, h0 + G), value columns [b0, b0 + w)
 /// padded to wp.
 struct group_item {
@@ -399,56 +394,6 @@ RECATTN_NOINLINE void store_state(const problem& p, const group_item& it, std::i
       for (std::int64_t j = 0; j < it.w; ++j) d[j] = row[j];
     } else {
       for (std::int64_t j = 0; j < it.w; ++j) dst[p.ht.offset(it.n, h, it.b0 + j) + a] = row[j];
-    }
-  }
-}
-
-/// The direct form's staging (decays exponentiated, q and k as given), for callers that
-/// apply the decays token by token: the decode step (cpu/step.hpp).
-
-/// Staging buffers of one worker for a chunk of tokens.
-template <class Acc>
-struct stage_buffers {
-  Acc *qs, *ks, *dks;  ///< [chunk][Kp]: q * scale, k, exp(row decay)
-  Acc *vs, *dvs, *os;  ///< [chunk][wp]: v, exp(gv), output
-  std::int64_t Kp;
-};
-
-/// Converts the chunk's tokens `t[0..cl)` of the item to Acc and exponentiates its gates.
-template <class T, unsigned Gates, class Acc>
-RECATTN_NOINLINE void stage_chunk(const problem& p, const work_item& it, const std::int64_t* t, std::int64_t cl,
-                                  Acc gamma, const stage_buffers<Acc>& sb) {
-  using Pol = forward_policy<Gates, false, false, state_layout::kv>;
-  const std::int64_t K = p.K, Kp = sb.Kp, b = it.batch, h = it.h;
-  const std::int64_t hq = h / (p.H / p.Hq), hk = h / (p.H / p.Hk), hv = h / (p.H / p.Hv);
-  const Acc scale = Acc(p.scale);
-  for (std::int64_t l = 0; l < cl; ++l) {
-    convert_row<Acc>(static_cast<const T*>(p.q.data) + p.q.offset(b, t[l], hq), p.type, K, sb.qs + l * Kp, scale);
-    convert_row<Acc>(static_cast<const T*>(p.k.data) + p.k.offset(b, t[l], hk), p.type, K, sb.ks + l * Kp);
-    if constexpr (Pol::decay_k) {
-      Acc* dr = sb.dks + l * Kp;
-      Acc base = gamma;
-      if constexpr (Pol::has_g) base += load_as<Acc>(p.g.data, p.g.type, p.g.offset(b, t[l], h));
-      if constexpr (Pol::has_gk) {
-        const std::size_t es = dtype_size(p.gk.type);
-        convert_row<Acc>(static_cast<const char*>(p.gk.data) + std::size_t(p.gk.offset(b, t[l], h)) * es, p.gk.type, K, dr);
-        for (std::int64_t a = K; a < Kp; ++a) dr[a] = Acc(0);
-        exp_row(dr, Kp, base);
-      } else {
-        const Acc d = std::exp(base);
-        for (std::int64_t a = 0; a < K; ++a) dr[a] = d;
-      }
-    }
-    Acc* vr = sb.vs + l * it.wp;
-    convert_row<Acc>(static_cast<const T*>(p.v.data) + p.v.offset(b, t[l], hv) + it.b0, p.type, it.w, vr);
-    for (std::int64_t j = it.w; j < it.wp; ++j) vr[j] = Acc(0);
-    if constexpr (Pol::decay_v) {
-      Acc* dr = sb.dvs + l * it.wp;
-      const std::size_t es = dtype_size(p.gv.type);
-      convert_row<Acc>(static_cast<const char*>(p.gv.data) + std::size_t(p.gv.offset(b, t[l], h) + it.b0) * es,
-                       p.gv.type, it.w, dr);
-      for (std::int64_t j = it.w; j < it.wp; ++j) dr[j] = Acc(0);
-      exp_row(dr, it.wp, Acc(0));
     }
   }
 }
