@@ -162,6 +162,25 @@ enum class output_kind {
   reference,  ///< output and state in double: the scalar reference oracle
 };
 
+namespace detail {
+
+/// K and V at least 1 and the head counts of q, k, v (p.K, p.V, p.Hq, p.Hk, p.Hv, already
+/// read from the shapes) each at least one and dividing H, the largest, which it sets.
+/// Shared by the forward's and the decode step's checks; allocates only to fail.
+inline void check_heads(problem& p, const tensor_view& q, const tensor_view& k, const tensor_view& v) {
+  if (p.K < 1) fail("query", "K >= 1 (last dimension)", dims(q));
+  if (p.V < 1) fail("value", "V >= 1 (last dimension)", dims(v));
+  if (p.Hq < 1) fail("query", "at least one head", dims(q));
+  if (p.Hk < 1) fail("key", "at least one head", dims(k));
+  if (p.Hv < 1) fail("value", "at least one head", dims(v));
+  p.H = std::max(p.Hq, std::max(p.Hk, p.Hv));
+  if (p.H % p.Hq) fail("query", cat("a head count dividing H = ", p.H), p.Hq);
+  if (p.H % p.Hk) fail("key", cat("a head count dividing H = ", p.H), p.Hk);
+  if (p.H % p.Hv) fail("value", cat("a head count dividing H = ", p.H), p.Hv);
+}
+
+}  // namespace detail
+
 /// Checks every argument of a forward call (SPEC §5) and returns the plain problem.
 /// Throws recattn::Error naming the argument, the expected and the actual value.
 /// `outs` may be null (sizes only: the allocating API checks before it allocates).
@@ -194,15 +213,7 @@ inline problem make_problem(const tensor_view& q, const tensor_view& k, const te
   p.Hk = k.size(2);
   p.Hv = v.size(2);
   p.V = v.size(3);
-  if (p.K < 1) fail("query", "K >= 1 (last dimension)", dims(q));
-  if (p.V < 1) fail("value", "V >= 1 (last dimension)", dims(v));
-  if (p.Hq < 1) fail("query", "at least one head", dims(q));
-  if (p.Hk < 1) fail("key", "at least one head", dims(k));
-  if (p.Hv < 1) fail("value", "at least one head", dims(v));
-  p.H = std::max(p.Hq, std::max(p.Hk, p.Hv));
-  if (p.H % p.Hq) fail("query", cat("a head count dividing H = ", p.H), p.Hq);
-  if (p.H % p.Hk) fail("key", cat("a head count dividing H = ", p.H), p.Hk);
-  if (p.H % p.Hv) fail("value", cat("a head count dividing H = ", p.H), p.Hv);
+  check_heads(p, q, k, v);
   check_data("query", q);
   check_data("key", k);
   check_data("value", v);

@@ -226,15 +226,7 @@ inline step_problem make_step_problem(const tensor_view& q, const tensor_view& k
   p.Hk = k.size(hd);
   p.Hv = v.size(hd);
   p.V = v.size(hd + 1);
-  if (p.K < 1) fail("query", "K >= 1 (last dimension)", dims(q));
-  if (p.V < 1) fail("value", "V >= 1 (last dimension)", dims(v));
-  if (p.Hq < 1) fail("query", "at least one head", dims(q));
-  if (p.Hk < 1) fail("key", "at least one head", dims(k));
-  if (p.Hv < 1) fail("value", "at least one head", dims(v));
-  p.H = std::max(p.Hq, std::max(p.Hk, p.Hv));
-  if (p.H % p.Hq) fail("query", cat("a head count dividing H = ", p.H), p.Hq);
-  if (p.H % p.Hk) fail("key", cat("a head count dividing H = ", p.H), p.Hk);
-  if (p.H % p.Hv) fail("value", cat("a head count dividing H = ", p.H), p.Hv);
+  check_heads(p, q, k, v);
   require_data("query", q);
   require_data("key", k);
   require_data("value", v);
