@@ -130,6 +130,21 @@ inline void check_gate_dtype(const std::string& name, const tensor_view& t, dtyp
     fail(name, cat("dtype float32 or ", dtype_name(q), " (the query's)"), cat("dtype ", dtype_name(t.type())));
 }
 
+/// K and V at least 1 and the head counts of q, k, v (p.K, p.V, p.Hq, p.Hk, p.Hv, already
+/// read from the shapes) each at least one and dividing H, the largest, which it sets.
+/// Shared by the forward's and the decode step's checks; allocates only to fail.
+inline void check_heads(problem& p, const tensor_view& q, const tensor_view& k, const tensor_view& v) {
+  if (p.K < 1) fail("query", "K >= 1 (last dimension)", dims(q));
+  if (p.V < 1) fail("value", "V >= 1 (last dimension)", dims(v));
+  if (p.Hq < 1) fail("query", "at least one head", dims(q));
+  if (p.Hk < 1) fail("key", "at least one head", dims(k));
+  if (p.Hv < 1) fail("value", "at least one head", dims(v));
+  p.H = std::max(p.Hq, std::max(p.Hk, p.Hv));
+  if (p.H % p.Hq) fail("query", cat("a head count dividing H = ", p.H), p.Hq);
+  if (p.H % p.Hk) fail("key", cat("a head count dividing H = ", p.H), p.Hk);
+  if (p.H % p.Hv) fail("value", cat("a head count dividing H = ", p.H), p.Hv);
+}
+
 /// Up to 3-d tensors: strides left-aligned, missing dims 0.
 inline strided3 strided_of(const tensor_view& t) {
   strided3 s;
@@ -161,25 +176,6 @@ enum class output_kind {
   native,     ///< output in q's dtype, state in float (double for double inputs)
   reference,  ///< output and state in double: the scalar reference oracle
 };
-
-namespace detail {
-
-/// K and V at least 1 and the head counts of q, k, v (p.K, p.V, p.Hq, p.Hk, p.Hv, already
-/// read from the shapes) each at least one and dividing H, the largest, which it sets.
-/// Shared by the forward's and the decode step's checks; allocates only to fail.
-inline void check_heads(problem& p, const tensor_view& q, const tensor_view& k, const tensor_view& v) {
-  if (p.K < 1) fail("query", "K >= 1 (last dimension)", dims(q));
-  if (p.V < 1) fail("value", "V >= 1 (last dimension)", dims(v));
-  if (p.Hq < 1) fail("query", "at least one head", dims(q));
-  if (p.Hk < 1) fail("key", "at least one head", dims(k));
-  if (p.Hv < 1) fail("value", "at least one head", dims(v));
-  p.H = std::max(p.Hq, std::max(p.Hk, p.Hv));
-  if (p.H % p.Hq) fail("query", cat("a head count dividing H = ", p.H), p.Hq);
-  if (p.H % p.Hk) fail("key", cat("a head count dividing H = ", p.H), p.Hk);
-  if (p.H % p.Hv) fail("value", cat("a head count dividing H = ", p.H), p.Hv);
-}
-
-}  // namespace detail
 
 /// Checks every argument of a forward call (SPEC §5) and returns the plain problem.
 /// Throws recattn::Error naming the argument, the expected and the actual value.
