@@ -97,6 +97,11 @@ inline constexpr int step_max_vectors = 16;
 #ifndef RECATTN_CUDA_STEP_TILE_VECTORS
 #define RECATTN_CUDA_STEP_TILE_VECTORS 16
 #endif
+/// The bfloat16 [K, V] update loop: 0, the generic one; 1, update_bf16_v2 (pointer
+/// increments instead of per-row index arithmetic). Float storage compiles the same either way.
+#ifndef RECATTN_CUDA_STEP_BF16_V2
+#define RECATTN_CUDA_STEP_BF16_V2 0
+#endif
 inline constexpr int step_threads = RECATTN_CUDA_STEP_THREADS;
 inline constexpr int step_tile_vectors = RECATTN_CUDA_STEP_TILE_VECTORS;
 static_assert(step_threads % 32 == 0 && step_threads <= 256 && step_tile_vectors >= 1 && step_tile_vectors <= 16,
@@ -161,6 +166,45 @@ template <int M> using decay_tag = std::integral_constant<int, M>;
 __device__ __forceinline__ std::int64_t load_index(const void* p, bool is64, std::int64_t i) {
   return is64 ? static_cast<const std::int64_t*>(p)[i] : std::int64_t(static_cast<const std::int32_t*>(p)[i]);
 }
+
+#if RECATTN_CUDA_STEP_BF16_V2
+/// The fast update loop of a bfloat16 [K, V] pool (RECATTN_CUDA_STEP_BF16_V2; the row's last
+/// token, no snapshot): the thread's nrow consecutive key rows, one 16-byte vector (8 value
+/// columns) each, straight to the pool. The same arithmetic in the same order as the generic
+/// loop in step_kernel (the results are bit-identical); what differs is the addressing, the
+/// generic loop's overhead being ~1.6 of its 6.4 instructions an element (decay_rows): the
+/// key_coef, tile and pool pointers advance by an increment a row instead of being formed
+/// from j (a 64-bit multiply a store), the three-array pointers are not formed, and with
+/// CS > 0 the tile's row stride (the block's threads) is a constant, so that the unrolled
+/// body reads its rows at immediate offsets.
+#ifndef RECATTN_CUDA_STEP_BF16_V2_UNROLL
+#define RECATTN_CUDA_STEP_BF16_V2_UNROLL 8
+#endif
+template <int M, int CS>
+__device__ __forceinline__ void update_bf16_v2(const key_coef<float>* cf, const uint4* src, int stride_rt, uint4* dst,
+                                               std::int64_t dstep, int nrow, const float (&vr)[8], const float (&dvr)[8],
+                                               float (&o)[8]) {
+  const int stride = CS > 0 ? CS : stride_rt;
+  constexpr int unroll = RECATTN_CUDA_STEP_BF16_V2_UNROLL;
+#pragma unroll unroll
+  for (int j = 0; j < nrow; ++j) {
+    const key_coef<float> c = *cf;
+    float x[8];
+    unpack_vec<float, bfloat16>(*src, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if constexpr (M == decay_both) x[e] = fmaf(x[e], c.d * dvr[e], c.k * vr[e]);
+      else if constexpr (M == decay_rows) x[e] = fmaf(x[e], c.d, c.k * vr[e]);
+      else x[e] = fmaf(c.k, vr[e], x[e]);
+      o[e] = fmaf(c.q, x[e], o[e]);
+    }
+    __stcs(dst, pack_vec<bfloat16>(x));  // not read again
+    ++cf;
+    src += stride;
+    dst += dstep;
+  }
+}
+#endif
 
 /// One step for one (row, head, block). T: input dtype; S: state storage; VK: [V, K] pool.
 template <class T, class S, bool VK>
@@ -303,31 +347,42 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       auto update = [&](auto mode, auto fast) {
         constexpr int M = decltype(mode)::value;
         constexpr bool fast_path = decltype(fast)::value;
-        const key_coef<Acc>* cf = coef + row0;
-        const Acc *qa_p = qs + row0, *ka_p = ks + row0, *da_p = dks + row0;
-        const uint4* src = tile + tid;
-        uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
-        const std::int64_t dstep = s2 / VEC;  // a row in 16-byte vectors (s2 % VEC == 0)
+#if RECATTN_CUDA_STEP_BF16_V2
+        if constexpr (packed && fast_path) {
+          uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
+          if (nthreads == step_threads)
+            update_bf16_v2<M, step_threads>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
+          else
+            update_bf16_v2<M, 0>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
+        } else
+#endif
+        {
+          const key_coef<Acc>* cf = coef + row0;
+          const Acc *qa_p = qs + row0, *ka_p = ks + row0, *da_p = dks + row0;
+          const uint4* src = tile + tid;
+          uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
+          const std::int64_t dstep = s2 / VEC;  // a row in 16-byte vectors (s2 % VEC == 0)
 #pragma unroll 2
-        for (int j = 0; j < nrow; ++j) {
-          Acc qa, ka, da;
-          if constexpr (packed) {
-            const key_coef<Acc> c = cf[j];
-            qa = c.q, ka = c.k, da = c.d;
-          } else {
-            qa = qa_p[j], ka = ka_p[j], da = da_p[j];
-          }
-          Acc x[VEC];
-          unpack_vec<Acc, S>(src[j * nthreads], x);
+          for (int j = 0; j < nrow; ++j) {
+            Acc qa, ka, da;
+            if constexpr (packed) {
+              const key_coef<Acc> c = cf[j];
+              qa = c.q, ka = c.k, da = c.d;
+            } else {
+              qa = qa_p[j], ka = ka_p[j], da = da_p[j];
+            }
+            Acc x[VEC];
+            unpack_vec<Acc, S>(src[j * nthreads], x);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            if constexpr (M == decay_both) x[e] = fma(x[e], da * dvr[e], ka * vr[e]);
-            else if constexpr (M == decay_rows) x[e] = fma(x[e], da, ka * vr[e]);
-            else x[e] = fma(ka, vr[e], x[e]);
-            o[e] = fma(qa, x[e], o[e]);
+            for (int e = 0; e < VEC; ++e) {
+              if constexpr (M == decay_both) x[e] = fma(x[e], da * dvr[e], ka * vr[e]);
+              else if constexpr (M == decay_rows) x[e] = fma(x[e], da, ka * vr[e]);
+              else x[e] = fma(ka, vr[e], x[e]);
+              o[e] = fma(qa, x[e], o[e]);
+            }
+            if constexpr (fast_path) __stcs(dst + j * dstep, pack_vec<S>(x));  // not read again
+            else put(j, 0, pack_vec<S>(x));
           }
-          if constexpr (fast_path) __stcs(dst + j * dstep, pack_vec<S>(x));  // not read again
-          else put(j, 0, pack_vec<S>(x));
         }
       };
       auto run = [&](auto fast) {
