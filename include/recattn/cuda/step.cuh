@@ -97,11 +97,6 @@ inline constexpr int step_max_vectors = 16;
 #ifndef RECATTN_CUDA_STEP_TILE_VECTORS
 #define RECATTN_CUDA_STEP_TILE_VECTORS 16
 #endif
-/// The bfloat16 [K, V] update loop: 0, the generic one; 1, update_bf16_v2 (pointer
-/// increments instead of per-row index arithmetic). Float storage compiles the same either way.
-#ifndef RECATTN_CUDA_STEP_BF16_V2
-#define RECATTN_CUDA_STEP_BF16_V2 0
-#endif
 inline constexpr int step_threads = RECATTN_CUDA_STEP_THREADS;
 inline constexpr int step_tile_vectors = RECATTN_CUDA_STEP_TILE_VECTORS;
 static_assert(step_threads % 32 == 0 && step_threads <= 256 && step_tile_vectors >= 1 && step_tile_vectors <= 16,
@@ -167,25 +162,23 @@ __device__ __forceinline__ std::int64_t load_index(const void* p, bool is64, std
   return is64 ? static_cast<const std::int64_t*>(p)[i] : std::int64_t(static_cast<const std::int32_t*>(p)[i]);
 }
 
-#if RECATTN_CUDA_STEP_BF16_V2
-/// The fast update loop of a bfloat16 [K, V] pool (RECATTN_CUDA_STEP_BF16_V2; the row's last
-/// token, no snapshot): the thread's nrow consecutive key rows, one 16-byte vector (8 value
-/// columns) each, straight to the pool. The same arithmetic in the same order as the generic
-/// loop in step_kernel (the results are bit-identical); what differs is the addressing, the
-/// generic loop's overhead being ~1.6 of its 6.4 instructions an element (decay_rows): the
-/// key_coef, tile and pool pointers advance by an increment a row instead of being formed
-/// from j (a 64-bit multiply a store), the three-array pointers are not formed, and with
-/// CS > 0 the tile's row stride (the block's threads) is a constant, so that the unrolled
-/// body reads its rows at immediate offsets.
-#ifndef RECATTN_CUDA_STEP_BF16_V2_UNROLL
-#define RECATTN_CUDA_STEP_BF16_V2_UNROLL 8
+/// The fast update loop of a bfloat16 [K, V] pool (the row's last token, no snapshot): the
+/// thread's nrow consecutive key rows, one 16-byte vector (8 value columns) each, straight to
+/// the pool. The arithmetic of the generic loop in step_kernel, in the same order (the results
+/// are bit-identical), with leaner addressing: the key_coef, tile and pool pointers advance by
+/// an increment a row (no 64-bit multiply a store), and with CS > 0 the tile's row stride (the
+/// block's threads) is a constant, so that the unrolled body reads at immediate offsets. Its
+/// bfloat16 elements take 6.4 -> 5.2 SASS instructions each (decay_rows), 0.0764 -> 0.0760 ms
+/// on issue 6's case (bench/README.md).
+#ifndef RECATTN_CUDA_STEP_BF16_UNROLL
+#define RECATTN_CUDA_STEP_BF16_UNROLL 8
 #endif
 template <int M, int CS>
-__device__ __forceinline__ void update_bf16_v2(const key_coef<float>* cf, const uint4* src, int stride_rt, uint4* dst,
+__device__ __forceinline__ void update_bf16_fast(const key_coef<float>* cf, const uint4* src, int stride_rt, uint4* dst,
                                                std::int64_t dstep, int nrow, const float (&vr)[8], const float (&dvr)[8],
                                                float (&o)[8]) {
   const int stride = CS > 0 ? CS : stride_rt;
-  constexpr int unroll = RECATTN_CUDA_STEP_BF16_V2_UNROLL;
+  constexpr int unroll = RECATTN_CUDA_STEP_BF16_UNROLL;
 #pragma unroll unroll
   for (int j = 0; j < nrow; ++j) {
     const key_coef<float> c = *cf;
@@ -204,7 +197,6 @@ __device__ __forceinline__ void update_bf16_v2(const key_coef<float>* cf, const 
     dst += dstep;
   }
 }
-#endif
 
 /// One step for one (row, head, block). T: input dtype; S: state storage; VK: [V, K] pool.
 template <class T, class S, bool VK>
@@ -347,15 +339,13 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
       auto update = [&](auto mode, auto fast) {
         constexpr int M = decltype(mode)::value;
         constexpr bool fast_path = decltype(fast)::value;
-#if RECATTN_CUDA_STEP_BF16_V2
         if constexpr (packed && fast_path) {
           uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
           if (nthreads == step_threads)
-            update_bf16_v2<M, step_threads>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
+            update_bf16_fast<M, step_threads>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
           else
-            update_bf16_v2<M, 0>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
+            update_bf16_fast<M, 0>(coef + row0, tile + tid, nthreads, dst, s2 / VEC, nrow, vr, dvr, o);
         } else
-#endif
         {
           const key_coef<Acc>* cf = coef + row0;
           const Acc *qa_p = qs + row0, *ka_p = ks + row0, *da_p = dks + row0;
