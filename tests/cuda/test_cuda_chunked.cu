@@ -257,7 +257,7 @@ TEST_CASE("cuda chunked: what it does not take is a recattn::Error, nothing writ
     sb.cfg = algo_cfg(algorithm::chunked, 0, 8);
     expect_chunked_rejected(sb, "cfg.block_v");
     recattn::cfg c = algo_cfg(algorithm::chunked);
-    c.num_warps = 8;
+    c.num_warps = 4;
     sb.cfg = c;
     expect_chunked_rejected(sb, "cfg.num_warps");
   }

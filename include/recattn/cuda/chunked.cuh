@@ -1,27 +1,39 @@
-// The chunked CUDA forward (issue 8, phase 1): tensor-core products over chunks of C tokens,
-// for bfloat16 and half inputs and the scalar gates g and g_gamma.
+// The chunked CUDA forward (issue 8): tensor-core products over chunks of C tokens, for
+// bfloat16 and half inputs and the scalar gates g and g_gamma.
 //
-// A thread block (4 warps) owns one (sequence n, head h, block of BV value columns) and walks
-// the sequence's chunks in processing order, keeping the state block S [Kp x BV] in float in
-// shared memory (Kp = K rounded up to 16; padded rows and columns stay zero and are never
-// written out). With G_i the cumulative log decay from the chunk's first token to token i
-// (inclusive) and G_C its value at the chunk's last token, SPEC §1's recurrence
-// (S_t = d_t S_{t-1} + k_t^T v_t, o_t = scale q_t S_t) unrolled over a chunk is
+// A thread block (8 warps) owns one (sequence n, head h, block of BV value columns) and walks
+// the sequence's chunks in processing order. With G_i the cumulative log decay from the
+// chunk's first token to token i (inclusive) and G_C its value at the chunk's last token,
+// SPEC §1's recurrence (S_t = d_t S_{t-1} + k_t^T v_t, o_t = scale q_t S_t) unrolled over a
+// chunk is
 //   o_i = scale * ( e^{G_i} q_i S  +  sum_{j<=i} e^{G_i - G_j} (q_i . k_j) v_j )
 //   S  <- e^{G_C} S + sum_j e^{G_C - G_j} k_j^T v_j
-// Per chunk (nvcuda::wmma, 16x16x16, 16-bit operands, float accumulators):
-//   (a) q, k [C x Kp] and v [C x BV] staged into shared memory (zero padded), the log decays
-//       of the chunk's tokens (g + g_gamma, in double);
-//   (b) one lane scans the log decays (double); meanwhile A = Q K^T (lower triangle of
-//       16 x 16 tiles) and O = Q S~ (S~: S rounded to the input dtype) on tensor cores;
-//   (c) A masked by e^{G_i - G_j} (j <= i) and rounded to the input dtype; k rows scaled by
-//       e^{G_C - G_j}; O rows by e^{G_i}; S by e^{G_C} (all in float);
-//   (d) O += A V and S += K~^T V on tensor cores;
-//   (e) o = scale * O written out; S~ refreshed from S.
+// Products are mma.sync m16n8k16 (16-bit operands from ldmatrix, float accumulators), and
+// every accumulator stays in registers:
+//   - the state block S [Kp x BV] (Kp = K rounded up to 16) in float, spread over the warps
+//     by 16-row tiles (warp w holds row tiles w and w + 8, every column); each chunk it is
+//     also written to shared memory rounded to the input dtype (S~, the operand of Q S~);
+//   - output tiles: the chunk's C x BV outputs as (C / 16) row tiles, each split over WPM
+//     warps by columns (NTW 8-column tiles a warp). The warp of row tile m forms
+//     A = Q_m K^T over tokens 0 .. 16 m + 15 in registers, masks it with e^{G_i - G_j}
+//     (j <= i), and feeds the accumulators straight back as the A operand of A V (the
+//     flash-attention register trick); O = e^{G_i} Q_m S~ + A V.
+//   - S update: K~^T V with K~ = the k rows scaled by e^{G_C - G_j} (in the ldmatrix'd
+//     operand registers, rounded to the input dtype), after S *= e^{G_C}.
+// q, k, v of chunk c + 1 are copied into the other of two raw stages by cp.async while chunk
+// c is computed (zero-filled past the sequence end and past K or BV), S~ is double buffered,
+// so one barrier a chunk orders everything; the scalar gates of chunk c + 1 are loaded into
+// registers during chunk c, and every warp scans the chunk's log decays itself (a warp scan
+// in double, kept as G log2(e) in float for exp2), so the factors need no barrier either.
+// The kernel is compiled per chunk length (32, 64), value block (16, 32, 64) and whether a
+// scalar decay is present (without one: no scan, no factors, only the causal mask).
+//
 // A decay of exactly 0 (log decay -inf, or below -1e4, where exp is 0 in float and double)
 // never forms e^{-inf - (-inf)}: the scan counts such tokens (a segment index), and a factor
-// across one of them is exactly 0; other factors are exp of differences of cumulative sums
-// in double. Positive log decays grow the factors like the reference's.
+// across one of them is exactly 0; other factors are exp2 of differences of cumulative sums
+// (summed in double, differenced in float: for |G| up to 2560 over a chunk, strong decays of
+// -40 a token, the factor's relative error stays below 2e-4). Positive log decays grow the
+// factors like the reference's.
 //
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
 // state S~ rounded to the input dtype each chunk); S itself accumulates in float. Measured
@@ -29,12 +41,7 @@
 // inputs are not taken (neither tf32 nor bfloat16 products can meet §6's 1e-4 for float);
 // double neither: the dispatcher takes the recurrent kernel for them, and a cfg that forces
 // chunked is a recattn::Error, as for gk and gv (phase 2).
-//
-// Phase 1 is correctness first: plain (not asynchronous) staging loads (8 bytes a lane where
-// the rows are 8-byte aligned), one stage.
 #pragma once
-
-#include <mma.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -47,106 +54,124 @@ namespace recattn::cuda {
 
 namespace detail {
 
-template <class T>
-struct mma_elem;
-template <>
-struct mma_elem<bfloat16> {
-  using type = __nv_bfloat16;
-};
-template <>
-struct mma_elem<half> {
-  using type = __half;
-};
+/// Warps of a chunked block.
+inline constexpr int chunked_warps = 8;
 
-template <class E>
-__device__ __forceinline__ E to_elem(float x) {
-  if constexpr (std::is_same<E, __nv_bfloat16>::value) return __float2bfloat16_rn(x);
-  else return __float2half_rn(x);
-}
-template <class E>
-__device__ __forceinline__ float from_elem(E x) {
-  if constexpr (std::is_same<E, __nv_bfloat16>::value) return __bfloat162float(x);
-  else return __half2float(x);
-}
-
-/// Shared memory of a chunked block: leading dimensions (elements) and byte offsets.
+/// Shared memory of a chunked block: pitches (16-bit elements) and byte offsets.
 struct chunked_layout {
   int C = 64, Kp = 16, BV = 16;
-  int ldk = 0;   ///< q, k tiles [C][ldk], 16-bit
-  int ldv = 0;   ///< v tile [C][ldv] and S~ [Kp][ldv], 16-bit
-  int lds = 0;   ///< S [Kp][lds] and O [C][lds], float
-  int lda = 0;   ///< A [C][lda], float
-  int ldat = 0;  ///< A~ [C][ldat], 16-bit
-  unsigned off_q = 0, off_k = 0, off_v = 0, off_st = 0, off_s = 0, off_af = 0, off_at = 0, off_o = 0;
-  unsigned off_glog = 0, off_gf = 0, off_seg = 0, off_gi = 0, off_gc = 0, off_misc = 0;
+  int ldk = 0;         ///< q, k rows [C][ldk]
+  int ldv = 0;         ///< v rows [C][ldv]; S~ [Kp][ldv]
+  unsigned stage = 0;  ///< bytes of one raw stage: q, k, v
+  unsigned off_k = 0, off_v = 0;  ///< within a stage
+  unsigned off_raw = 0;           ///< two stages
+  unsigned off_st = 0;            ///< two S~ buffers of st_bytes
+  unsigned st_bytes = 0;
+  unsigned off_scan = 0;  ///< per warp: G log2(e), e^{G_i}, e^{G_C - G_j} (float), segment (int), [C] each
+  unsigned scan_bytes = 0;
   std::size_t bytes = 0;
 };
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
-/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (16, 32 or 64).
+/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64).
 inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
   L.BV = BV;
-  // Pads of 16 bytes a row (wmma needs 16-bit rows a multiple of 8 elements, float rows of 4,
-  // and tiles 32-byte aligned: 16 rows of any of these pitches keep that).
+  // 16 bytes of pad a row: ldmatrix's eight 16-byte rows then fall in distinct bank groups.
   L.ldk = L.Kp + 8;
   L.ldv = BV + 8;
-  L.lds = BV + 4;
-  L.lda = C + 4;
-  L.ldat = C + 8;
-  std::size_t o = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = o;
-    o = align128(o + bytes);
-    return unsigned(at);
-  };
-  L.off_q = take(std::size_t(C) * L.ldk * 2);
-  L.off_k = take(std::size_t(C) * L.ldk * 2);
-  L.off_v = take(std::size_t(C) * L.ldv * 2);
-  L.off_st = take(std::size_t(L.Kp) * L.ldv * 2);
-  L.off_s = take(std::size_t(L.Kp) * L.lds * 4);
-  L.off_af = take(std::size_t(C) * L.lda * 4);
-  L.off_at = take(std::size_t(C) * L.ldat * 2);
-  L.off_o = take(std::size_t(C) * L.lds * 4);
-  L.off_glog = take(std::size_t(C) * 8);
-  L.off_gf = take(std::size_t(C) * 8);
-  L.off_seg = take(std::size_t(C) * 4);
-  L.off_gi = take(std::size_t(C) * 4);
-  L.off_gc = take(std::size_t(C) * 4);
-  L.off_misc = take(16);
-  L.bytes = o;
+  L.off_k = unsigned(C * L.ldk * 2);
+  L.off_v = unsigned(2 * C * L.ldk * 2);
+  L.stage = unsigned(align128(std::size_t(L.off_v) + std::size_t(C) * L.ldv * 2));
+  L.off_raw = 0;
+  L.st_bytes = unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
+  L.off_st = 2 * L.stage;
+  L.scan_bytes = unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
+  L.off_scan = L.off_st + 2 * L.st_bytes;
+  L.bytes = std::size_t(L.off_scan) + std::size_t(chunked_warps) * L.scan_bytes;
   return L;
 }
 
-/// Threads of a chunked block.
-inline constexpr int chunked_warps = 4;
+template <class T>
+struct mma_is_bf16 : std::is_same<T, bfloat16> {};
 
-/// One warp copies a row of 16-bit elements into shared memory: `count` elements of src,
-/// zeros up to `width` (a multiple of 4; dst 8-byte aligned), zeros only when !real. With
-/// `vec` (src 8-byte aligned: the tensor's cp.async unit is >= 8) 4 elements a lane at once.
-__device__ __forceinline__ void stage_row16(std::uint16_t* dst, const std::uint16_t* src, int count, int width,
-                                            bool real, bool vec, int lane) {
-  if (vec) {
-    for (int a = 4 * lane; a < width; a += 128) {
-      uint2 x = make_uint2(0u, 0u);
-      if (real) {
-        if (a + 4 <= count) {
-          x = *reinterpret_cast<const uint2*>(src + a);
-        } else {
-          unsigned e[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) e[i] = a + i < count ? unsigned(src[a + i]) : 0u;
-          x.x = e[0] | (e[1] << 16);
-          x.y = e[2] | (e[3] << 16);
-        }
-      }
-      *reinterpret_cast<uint2*>(dst + a) = x;
-    }
+/// Two floats as a 16-bit pair (round to nearest even), `lo` in the low half.
+template <class T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  if constexpr (mma_is_bf16<T>::value) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
   } else {
-    for (int a = lane; a < width; a += 32) dst[a] = (real && a < count) ? src[a] : std::uint16_t(0);
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float2 unpack2(unsigned x) {
+  if constexpr (mma_is_bf16<T>::value) {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+
+/// d += a b for one m16n8k16 tile (a: 4 registers of 16-bit pairs, b: 2; d: 4 floats).
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (mma_is_bf16<T>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// One 16-byte unit of a staged row: the elements [e0, e0 + 8) of a row of a 16-bit tensor
+/// (`valid` of them real, the rest zero). 16-byte aligned rows go by cp.async (the zero fill in
+/// the copy); others by plain 2-byte loads.
+__device__ __forceinline__ void stage_unit(void* dst, const row_tensor& x, std::int64_t elem, int valid) {
+  const std::uint16_t* data = reinterpret_cast<const std::uint16_t*>(x.data);
+  const std::uint16_t* src = data + elem;
+  if (x.align == 16) {
+    cp_async<16>(dst, valid > 0 ? static_cast<const void*>(src) : static_cast<const void*>(data), 2 * max(valid, 0));
+  } else {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned lo = 2 * i < valid ? unsigned(src[2 * i]) : 0u;
+      const unsigned hi = 2 * i + 1 < valid ? unsigned(src[2 * i + 1]) : 0u;
+      w[i] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -157,43 +182,48 @@ __device__ __forceinline__ void stage_row16(std::uint16_t* dst, const std::uint1
 struct chunked_params {
   forward_params f;
   detail::chunked_layout L;
+  bool out_pairs = false;  ///< output rows 4-byte aligned: pairs of columns stored at once
 };
 
-/// One kernel per input dtype (bfloat16, half): gates, direction, varlen and state layout are
-/// uniform run-time values read per chunk or per block.
-template <class T>
-__global__ void __launch_bounds__(32 * detail::chunked_warps) chunked_forward_kernel(const chunked_params P) {
-  using namespace nvcuda;
+/// Blocks a multiprocessor must hold for value blocks of 16 or 32 columns (2 caps the kernel at
+/// 128 registers a thread; 64-column blocks need more and stay at 1).
+#ifndef RECATTN_CUDA_CHUNKED_NARROW_BLOCKS
+#define RECATTN_CUDA_CHUNKED_NARROW_BLOCKS 1
+#endif
+
+/// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
+/// or 64 columns) and whether a scalar decay is present: direction, varlen and state layout
+/// are uniform run-time values.
+template <class T, int C, int BV, bool GATED>
+__global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN_CUDA_CHUNKED_NARROW_BLOCKS : 1)
+    chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
-  using E = typename mma_elem<T>::type;
+  constexpr int NW = chunked_warps;
+  constexpr int NB = BV / 8;                          // 8-column tiles of the block
+  constexpr int nM = C / 16;                          // 16-token row tiles of a chunk
+  constexpr int WPM = NW / nM < NB ? NW / nM : NB;    // warps a row tile of output
+  constexpr int NTW = NB / WPM;                       // their 8-column tiles
+  constexpr int RPW = C / NW;                         // staged rows a warp
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
+  static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
   extern __shared__ __align__(128) unsigned char chunked_smem[];
-  unsigned char* smem = chunked_smem;
-  E* sq = reinterpret_cast<E*>(smem + L.off_q);
-  E* sk = reinterpret_cast<E*>(smem + L.off_k);
-  E* sv = reinterpret_cast<E*>(smem + L.off_v);
-  E* sst = reinterpret_cast<E*>(smem + L.off_st);
-  float* ss = reinterpret_cast<float*>(smem + L.off_s);
-  float* saf = reinterpret_cast<float*>(smem + L.off_af);
-  E* sat = reinterpret_cast<E*>(smem + L.off_at);
-  float* so = reinterpret_cast<float*>(smem + L.off_o);
-  double* glog = reinterpret_cast<double*>(smem + L.off_glog);
-  double* gf = reinterpret_cast<double*>(smem + L.off_gf);
-  int* segv = reinterpret_cast<int*>(smem + L.off_seg);
-  float* gi = reinterpret_cast<float*>(smem + L.off_gi);
-  float* gc = reinterpret_cast<float*>(smem + L.off_gc);
-  float* misc = reinterpret_cast<float*>(smem + L.off_misc);
 
-  const int C = L.C, Kp = L.Kp, BV = L.BV;
-  const int ldk = L.ldk, ldv = L.ldv, lds = L.lds, lda = L.lda, ldat = L.ldat;
-  const int nC = C / 16, nB = BV / 16, nKt = Kp / 16;
-  const int nw = int(blockDim.x) >> 5;
+  const int Kp = L.Kp, ldk = L.ldk, ldv = L.ldv;
+  const int nKt = Kp / 16;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const bool out_warp = warp < nM * WPM;
+  // Output row tile: tile m costs m + 1 token tiles of A and of A V, so with 4 tiles of 2 warps
+  // the warps that share a scheduler (w, w + 4) get tiles 0 + 3 or 1 + 2.
+  const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
+  const int nbase = (warp % WPM) * NTW * 8;        // first column of the warp's output
+  const int r4 = lane >> 2, c4 = 2 * (lane & 3);  // an accumulator's row and column in its tile
+
   const bool reverse = p.reverse;
   const bool kv_layout = p.kv_layout;
   const bool has_g = p.g != nullptr, has_gamma = p.g_gamma != nullptr;
-  const bool gated = has_g || has_gamma;
 
   const int vb = int(blockIdx.x % unsigned(p.nvb));
   const int h = int((blockIdx.x / unsigned(p.nvb)) % unsigned(p.H));
@@ -212,197 +242,351 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps) chunked_forward_ke
       len = static_cast<const std::int32_t*>(p.cu_seqlens)[n + 1] - begin;
     }
   }
+  auto tok = [&](std::int64_t i) -> std::int64_t { return begin + (reverse ? len - 1 - i : i); };
   const std::int64_t q_base = bidx * p.q.s0 + std::int64_t(h / p.gq) * p.q.s2;
   const std::int64_t k_base = bidx * p.k.s0 + std::int64_t(h / p.gk_heads) * p.k.s2;
   const std::int64_t v_base = bidx * p.v.s0 + std::int64_t(h / p.gv_heads) * p.v.s2 + b0;
-  const std::uint16_t* qd = reinterpret_cast<const std::uint16_t*>(p.q.data);
-  const std::uint16_t* kd = reinterpret_cast<const std::uint16_t*>(p.k.data);
-  const std::uint16_t* vd = reinterpret_cast<const std::uint16_t*>(p.v.data);
   const double gamma = has_gamma ? load_any<double>(p.g_gamma, p.gamma_type, n * p.gamma_s0 + h * p.gamma_s1) : 0.0;
   const float scale = float(p.scale);
-  const bool vec_q = p.q.align >= 8, vec_k = p.k.align >= 8, vec_v = p.v.align >= 8;
 
-  // The initial state (zeros when none; padded rows and columns always zero).
-  for (int a = warp; a < Kp; a += nw)
-    for (int b = lane; b < BV; b += 32) {
-      float x = 0.f;
-      if (p.h0 && a < p.K && b < w) {
-        const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + (b0 + b)
-                                           : n * p.h0_s0 + h * p.h0_s1 + (b0 + b) * p.h0_s2 + a;
-        x = static_cast<const float*>(p.h0)[off];
-      }
-      ss[a * lds + b] = x;
-      sst[a * ldv + b] = to_elem<E>(x);
-    }
+  auto stage_ptr = [&](int s) { return chunked_smem + L.off_raw + unsigned(s) * L.stage; };
+  auto st_ptr = [&](int s) { return reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_st + unsigned(s) * L.st_bytes); };
+  unsigned char* scan = chunked_smem + L.off_scan + unsigned(warp) * L.scan_bytes;
+  float* sG = reinterpret_cast<float*>(scan);  // G log2(e)
+  int* sSeg = reinterpret_cast<int*>(scan + 4 * C);
+  float* sFi = reinterpret_cast<float*>(scan + 8 * C);
+  float* sFc = reinterpret_cast<float*>(scan + 12 * C);
 
   const std::int64_t nchunks = (len + C - 1) / C;
-  for (std::int64_t c = 0; c < nchunks; ++c) {
+  // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
+  // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
+  const int UK = Kp / 8;
+  auto issue_stage = [&](std::int64_t c) {
+    unsigned char* s = stage_ptr(int(c & 1));
     const std::int64_t i0 = c * C;
     const int cl = int(len - i0 < C ? len - i0 : C);
-    auto tok = [&](int l) -> std::int64_t { return begin + (reverse ? len - 1 - (i0 + l) : i0 + l); };
-
-    // (a) Stage q, k, v (16-bit bit patterns, zero padded) and the log decays.
-    for (int l = warp; l < C; l += nw) {
+    const int e0 = 8 * lane;
+#pragma unroll
+    for (int j = 0; j < RPW; ++j) {
+      const int l = warp + NW * j;
+      const std::int64_t t = tok(i0 + l);
       const bool real = l < cl;
-      const std::int64_t t = real ? tok(l) : 0;
-      std::uint16_t* rq = reinterpret_cast<std::uint16_t*>(sq + l * ldk);
-      std::uint16_t* rk = reinterpret_cast<std::uint16_t*>(sk + l * ldk);
-      std::uint16_t* rv = reinterpret_cast<std::uint16_t*>(sv + l * ldv);
-      const std::uint16_t* gq = qd + q_base + t * p.q.s1;
-      const std::uint16_t* gk = kd + k_base + t * p.k.s1;
-      const std::uint16_t* gv = vd + v_base + t * p.v.s1;
-      stage_row16(rq, gq, p.K, Kp, real, vec_q, lane);
-      stage_row16(rk, gk, p.K, Kp, real, vec_k, lane);
-      stage_row16(rv, gv, w, BV, real, vec_v, lane);
-      if (gated && lane == 0) {
-        double x = gamma;
-        if (has_g && real) x += load_any<double>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + std::int64_t(h) * p.g_s2);
-        glog[l] = x;
+      if (lane < UK) {
+        const int valid = real ? min(8, p.K - e0) : 0;
+        stage_unit(s + (l * ldk + e0) * 2, p.q, q_base + t * p.q.s1 + e0, valid);
+        stage_unit(s + L.off_k + (l * ldk + e0) * 2, p.k, k_base + t * p.k.s1 + e0, valid);
       }
+      if (lane < NB) stage_unit(s + L.off_v + (l * ldv + e0) * 2, p.v, v_base + t * p.v.s1 + e0, real ? min(8, w - e0) : 0);
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  // The scalar gate of a lane's tokens (lane * TPL + e) of chunk c; 0 past the sequence end.
+  constexpr int TPL = C / 32;
+  auto load_g = [&](std::int64_t c, float (&x)[TPL]) {
+#pragma unroll
+    for (int e = 0; e < TPL; ++e) {
+      const int l = lane * TPL + e;
+      x[e] = 0.f;
+      if (has_g && c * C + l < len)
+        x[e] = load_any<float>(p.g, p.g_type, bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2);
+    }
+  };
 
-    // (b) The decay scan (one lane of warp 0, then warp 0's lanes for the factors); the
-    // products that do not need it on tensor cores.
-    if (gated && warp == 0) {
-      if (lane == 0) {
-        double G = 0.0;
-        int seg = 0;
-        for (int l = 0; l < cl; ++l) {
-          const double x = glog[l];
-          if (x < -1e4) ++seg;  // a decay of 0 (exp underflows in double too): a new segment
-          else G += (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
-          gf[l] = G;
-          segv[l] = seg;
-        }
-        misc[0] = seg == 0 ? float(::exp(G)) : 0.f;  // e^{G_C}
-      }
-      __syncwarp();
-      const double GC = gf[cl - 1];
-      const int segC = segv[cl - 1];
-      for (int l = lane; l < C; l += 32) {
-        if (l < cl) {
-          gi[l] = segv[l] == 0 ? float(::exp(gf[l])) : 0.f;
-          gc[l] = segv[l] == segC ? expf(float(GC - gf[l])) : 0.f;
-        } else {
-          gi[l] = 0.f;
-          gc[l] = 0.f;
-        }
-      }
-    }
-    {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fbt;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::row_major> fb;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      // A = Q K^T, tiles (ti, tj) with tj <= ti and real rows.
-      for (int t = warp; t < nC * nC; t += nw) {
-        const int ti = t / nC, tj = t % nC;
-        if (tj > ti || ti * 16 >= cl) continue;
-        wmma::fill_fragment(acc, 0.f);
-        for (int kk = 0; kk < Kp; kk += 16) {
-          wmma::load_matrix_sync(fa, sq + ti * 16 * ldk + kk, unsigned(ldk));
-          wmma::load_matrix_sync(fbt, sk + tj * 16 * ldk + kk, unsigned(ldk));
-          wmma::mma_sync(acc, fa, fbt, acc);
-        }
-        wmma::store_matrix_sync(saf + ti * 16 * lda + tj * 16, acc, unsigned(lda), wmma::mem_row_major);
-      }
-      // O = Q S~.
-      for (int t = warp; t < nC * nB; t += nw) {
-        const int ti = t / nB, tb = t % nB;
-        if (ti * 16 >= cl) continue;
-        wmma::fill_fragment(acc, 0.f);
-        for (int kk = 0; kk < Kp; kk += 16) {
-          wmma::load_matrix_sync(fa, sq + ti * 16 * ldk + kk, unsigned(ldk));
-          wmma::load_matrix_sync(fb, sst + kk * ldv + tb * 16, unsigned(ldv));
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(so + ti * 16 * lds + tb * 16, acc, unsigned(lds), wmma::mem_row_major);
-      }
-    }
-    __syncthreads();
-
-    // (c) Decay factors, in float: the causal mask of A (rounded to the input dtype), the k
-    // rows for the state update, the rows of O (the incoming state's share) and S.
-    for (int i = warp; i < C; i += nw)
-      for (int j = lane; j < C; j += 32) {
+  // The state block: row tiles warp and warp + 8, every column (zeros past K and w).
+  float S[2][NB][4];
+#pragma unroll
+  for (int ms = 0; ms < 2; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int a = 16 * (warp + NW * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
         float x = 0.f;
-        if (i < cl && j <= i) {
-          x = saf[i * lda + j];
-          if (gated) {
-            const float m = segv[i] == segv[j] ? expf(float(gf[i] - gf[j])) : 0.f;
-            x = m == 0.f ? 0.f : x * m;
-          }
+        if (p.h0 && a < p.K && b < w) {
+          const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + (b0 + b)
+                                             : n * p.h0_s0 + h * p.h0_s1 + (b0 + b) * p.h0_s2 + a;
+          x = static_cast<const float*>(p.h0)[off];
         }
-        sat[i * ldat + j] = to_elem<E>(x);
+        S[ms][nt][i] = x;
       }
-    if (gated) {
-      for (int l = warp; l < cl; l += nw) {
-        const float f = gc[l];
-        if (f != 1.f)
-          for (int a = lane; a < p.K; a += 32) sk[l * ldk + a] = to_elem<E>(f == 0.f ? 0.f : from_elem(sk[l * ldk + a]) * f);
+  // S~ (the state rounded to the input dtype) into a state buffer.
+  auto write_st = [&](std::uint16_t* st) {
+#pragma unroll
+    for (int ms = 0; ms < 2; ++ms) {
+      const int mt = warp + NW * ms;
+      if (mt >= nKt) continue;
+#pragma unroll
+      for (int nt = 0; nt < NB; ++nt) {
+        unsigned* row0 = reinterpret_cast<unsigned*>(st + (16 * mt + r4) * ldv + 8 * nt + c4);
+        unsigned* row8 = reinterpret_cast<unsigned*>(st + (16 * mt + r4 + 8) * ldv + 8 * nt + c4);
+        *row0 = pack2<T>(S[ms][nt][0], S[ms][nt][1]);
+        *row8 = pack2<T>(S[ms][nt][2], S[ms][nt][3]);
       }
-      for (int i = warp; i < cl; i += nw) {
-        const float f = gi[i];
-        for (int b = lane; b < BV; b += 32) so[i * lds + b] = f == 0.f ? 0.f : so[i * lds + b] * f;
-      }
-      const float f = misc[0];
-      if (f != 1.f)
-        for (int a = warp; a < Kp; a += nw)
-          for (int b = lane; b < BV; b += 32) ss[a * lds + b] = f == 0.f ? 0.f : ss[a * lds + b] * f;
     }
-    __syncthreads();
+  };
+  const bool has_h0 = p.h0 != nullptr;
+  if (has_h0) write_st(st_ptr(0));
 
-    // (d) O += A~ V, S += K~^T V.
-    {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::col_major> fat;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::row_major> fb;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      for (int t = warp; t < nC * nB; t += nw) {
-        const int ti = t / nB, tb = t % nB;
-        if (ti * 16 >= cl) continue;
-        wmma::load_matrix_sync(acc, so + ti * 16 * lds + tb * 16, unsigned(lds), wmma::mem_row_major);
-        for (int tj = 0; tj <= ti; ++tj) {
-          wmma::load_matrix_sync(fa, sat + ti * 16 * ldat + tj * 16, unsigned(ldat));
-          wmma::load_matrix_sync(fb, sv + tj * 16 * ldv + tb * 16, unsigned(ldv));
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(so + ti * 16 * lds + tb * 16, acc, unsigned(lds), wmma::mem_row_major);
-      }
-      for (int t = warp; t < nKt * nB; t += nw) {
-        const int ta = t / nB, tb = t % nB;
-        wmma::load_matrix_sync(acc, ss + ta * 16 * lds + tb * 16, unsigned(lds), wmma::mem_row_major);
-        for (int tj = 0; tj * 16 < cl; ++tj) {
-          // K~^T: element (m, k) = K~[tj * 16 + k][ta * 16 + m], column-major with pitch ldk.
-          wmma::load_matrix_sync(fat, sk + tj * 16 * ldk + ta * 16, unsigned(ldk));
-          wmma::load_matrix_sync(fb, sv + tj * 16 * ldv + tb * 16, unsigned(ldv));
-          wmma::mma_sync(acc, fat, fb, acc);
-        }
-        wmma::store_matrix_sync(ss + ta * 16 * lds + tb * 16, acc, unsigned(lds), wmma::mem_row_major);
-      }
-    }
-    __syncthreads();
-
-    // (e) The chunk's outputs; S~ for the next chunk. (The next chunk's staging touches
-    // neither O nor S; its barrier orders these against its products.)
-    for (int l = warp; l < cl; l += nw) {
-      T* dst = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(l) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
-      for (int b = lane; b < w; b += 32) dst[b] = from_acc<T>(scale * so[l * lds + b]);
-    }
-    if (c + 1 < nchunks)
-      for (int a = warp; a < Kp; a += nw)
-        for (int b = lane; b < BV; b += 32) sst[a * ldv + b] = to_elem<E>(ss[a * lds + b]);
+  float gnext[TPL];
+#pragma unroll
+  for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
+  if (nchunks > 0) {
+    issue_stage(0);
+    if (GATED) load_g(0, gnext);
   }
 
-  // The final state (S was last written before the barrier that ends step (d)).
-  if (p.ht) {
-    for (int a = warp; a < p.K; a += nw)
-      for (int b = lane; b < w; b += 32) {
-        const std::int64_t off = kv_layout ? n * p.ht_s0 + h * p.ht_s1 + a * p.ht_s2 + (b0 + b)
-                                           : n * p.ht_s0 + h * p.ht_s1 + (b0 + b) * p.ht_s2 + a;
-        static_cast<float*>(p.ht)[off] = ss[a * lds + b];
+  for (std::int64_t c = 0; c < nchunks; ++c) {
+    const int buf = int(c & 1);
+    const std::int64_t i0 = c * C;
+    const int cl = int(len - i0 < C ? len - i0 : C);
+    float gcur[TPL];
+#pragma unroll
+    for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
+    if (c + 1 < nchunks) {
+      issue_stage(c + 1);
+      if (GATED) load_g(c + 1, gnext);
+    }
+    const unsigned char* stg = stage_ptr(buf);
+    const std::uint16_t* sq = reinterpret_cast<const std::uint16_t*>(stg);
+    const std::uint16_t* sk = reinterpret_cast<const std::uint16_t*>(stg + L.off_k);
+    const std::uint16_t* sv = reinterpret_cast<const std::uint16_t*>(stg + L.off_v);
+    const std::uint16_t* st = st_ptr(buf);
+
+    // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
+    // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
+    float GC2 = 0.f;
+    int segC = 0;
+    if constexpr (GATED) {
+      double y[TPL];
+      int z[TPL];
+      double s = 0.0;
+      int sc = 0;
+#pragma unroll
+      for (int e = 0; e < TPL; ++e) {
+        const int l = lane * TPL + e;
+        const double x = l < cl ? gamma + double(gcur[e]) : 0.0;
+        z[e] = x < -1e4 ? 1 : 0;
+        y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
+        s += y[e];
+        sc += z[e];
       }
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const double t = __shfl_up_sync(0xffffffffu, s, off);
+        const int tc = __shfl_up_sync(0xffffffffu, sc, off);
+        if (lane >= off) {
+          s += t;
+          sc += tc;
+        }
+      }
+      double G = __shfl_up_sync(0xffffffffu, s, 1);
+      int seg = __shfl_up_sync(0xffffffffu, sc, 1);
+      if (lane == 0) {
+        G = 0.0;
+        seg = 0;
+      }
+      const double GC = __shfl_sync(0xffffffffu, s, 31);
+      segC = __shfl_sync(0xffffffffu, sc, 31);
+      GC2 = float(GC) * kLog2e;
+#pragma unroll
+      for (int e = 0; e < TPL; ++e) {
+        const int l = lane * TPL + e;
+        G += y[e];
+        seg += z[e];
+        sG[l] = float(G) * kLog2e;
+        sSeg[l] = seg;
+        sFi[l] = seg == 0 ? exp2f(float(G) * kLog2e) : 0.f;
+        sFc[l] = seg == segC ? exp2f(float(GC - G) * kLog2e) : 0.f;
+      }
+      __syncwarp();
+    }
+
+    if (out_warp && 16 * mi < cl) {
+      // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
+      float A[2 * nM][4], O[NTW][4];
+#pragma unroll
+      for (int t = 0; t < 2 * nM; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) A[t][i] = 0.f;
+#pragma unroll
+      for (int t = 0; t < NTW; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) O[t][i] = 0.f;
+      const bool inter = c > 0 || has_h0;
+      const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
+      const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+      const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+#pragma unroll 2
+      for (int ks = 0; ks < nKt; ++ks) {
+        unsigned qa[4];
+        ldsm_x4(qa, qrow + 16 * ks);
+#pragma unroll
+        for (int np = 0; np < nM; ++np) {
+          if (np > mi) break;
+          unsigned kb[4];
+          ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
+          mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
+          mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
+        }
+        if (inter) {
+          if constexpr (NTW >= 2) {
+#pragma unroll
+            for (int np = 0; np < NTW / 2; ++np) {
+              unsigned sb[4];
+              ldsm_x4_t(sb, srow + 16 * ks * ldv + 16 * np);
+              mma16816<T>(O[2 * np], qa, sb[0], sb[1]);
+              mma16816<T>(O[2 * np + 1], qa, sb[2], sb[3]);
+            }
+          } else {
+            unsigned sb[2];
+            ldsm_x2_t(sb, srow + 16 * ks * ldv);
+            mma16816<T>(O[0], qa, sb[0], sb[1]);
+          }
+        }
+      }
+      // The decay mask of A (causal; e^{G_i - G_j} within a segment) and the incoming state's
+      // row factors e^{G_i}.
+      const int i_lo = 16 * mi + r4, i_hi = i_lo + 8;
+      if constexpr (GATED) {
+        const float Gi[2] = {sG[i_lo], sG[i_hi]};
+        const int segi[2] = {sSeg[i_lo], sSeg[i_hi]};
+        const float fi[2] = {sFi[i_lo], sFi[i_hi]};
+#pragma unroll
+        for (int t = 0; t < NTW; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) O[t][i] = fi[i >> 1] == 0.f ? 0.f : O[t][i] * fi[i >> 1];
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * t + c4 + e;
+            const float Gj = sG[j];
+            const int segj = sSeg[j];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int i = hh ? i_hi : i_lo;
+              const float m = segi[hh] == segj ? exp2f(Gi[hh] - Gj) : 0.f;
+              const float a = A[t][2 * hh + e];
+              A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (8 * t + c4 + (i & 1) > (i < 2 ? i_lo : i_hi)) A[t][i] = 0.f;
+        }
+      }
+      // O += A V (A's accumulators as the A operand, 16 tokens a step).
+      const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+#pragma unroll
+      for (int kt = 0; kt < nM; ++kt) {
+        if (kt > mi) break;
+        const unsigned aa[4] = {pack2<T>(A[2 * kt][0], A[2 * kt][1]), pack2<T>(A[2 * kt][2], A[2 * kt][3]),
+                                pack2<T>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
+                                pack2<T>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
+        if constexpr (NTW >= 2) {
+#pragma unroll
+          for (int np = 0; np < NTW / 2; ++np) {
+            unsigned vb4[4];
+            ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
+            mma16816<T>(O[2 * np], aa, vb4[0], vb4[1]);
+            mma16816<T>(O[2 * np + 1], aa, vb4[2], vb4[3]);
+          }
+        } else {
+          unsigned vb2[2];
+          ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
+          mma16816<T>(O[0], aa, vb2[0], vb2[1]);
+        }
+      }
+      // The chunk's outputs (rows < cl, columns < w).
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = hh ? i_hi : i_lo;
+        if (i >= cl) continue;
+        T* row = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(i0 + i) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
+#pragma unroll
+        for (int t = 0; t < NTW; ++t) {
+          const int b = nbase + 8 * t + c4;
+          const float x0 = scale * O[t][2 * hh], x1 = scale * O[t][2 * hh + 1];
+          if (P.out_pairs && b + 1 < w) {
+            *reinterpret_cast<unsigned*>(row + b) = pack2<T>(x0, x1);
+          } else {
+            if (b < w) row[b] = from_acc<T>(x0);
+            if (b + 1 < w) row[b + 1] = from_acc<T>(x1);
+          }
+        }
+      }
+    }
+
+    // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
+    if constexpr (GATED) {
+      const float f = segC == 0 ? exp2f(GC2) : 0.f;
+#pragma unroll
+      for (int ms = 0; ms < 2; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
+    }
+    const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+    const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
+#pragma unroll
+    for (int kt = 0; kt < nM; ++kt) {
+      if (16 * kt >= cl) break;
+      unsigned ka[2][4];
+#pragma unroll
+      for (int ms = 0; ms < 2; ++ms) {
+        const int mt = warp + NW * ms;
+        if (mt >= nKt) continue;
+        ldsm_x4_t(ka[ms], ktrow + 16 * kt * ldk + 16 * mt);
+        if constexpr (GATED) {
+          const int j0 = 16 * kt + c4;  // a0, a1: tokens j0, j0 + 1; a2, a3: j0 + 8, j0 + 9
+          const float f0 = sFc[j0], f1 = sFc[j0 + 1], f8 = sFc[j0 + 8], f9 = sFc[j0 + 9];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float2 x = unpack2<T>(ka[ms][r]);
+            const float fa = (r & 2) ? f8 : f0, fb = (r & 2) ? f9 : f1;
+            ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
+          }
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NB / 2; ++np) {
+        unsigned vb4[4];
+        ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
+#pragma unroll
+        for (int ms = 0; ms < 2; ++ms) {
+          if (warp + NW * ms >= nKt) continue;
+          mma16816<T>(S[ms][2 * np], ka[ms], vb4[0], vb4[1]);
+          mma16816<T>(S[ms][2 * np + 1], ka[ms], vb4[2], vb4[3]);
+        }
+      }
+    }
+    if (c + 1 < nchunks) write_st(st_ptr(buf ^ 1));
+  }
+
+  // The final state, from the registers.
+  if (p.ht) {
+#pragma unroll
+    for (int ms = 0; ms < 2; ++ms)
+#pragma unroll
+      for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int a = 16 * (warp + NW * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
+          if (a < p.K && b < w) {
+            const std::int64_t off = kv_layout ? n * p.ht_s0 + h * p.ht_s1 + a * p.ht_s2 + (b0 + b)
+                                               : n * p.ht_s0 + h * p.ht_s1 + (b0 + b) * p.ht_s2 + a;
+            static_cast<float*>(p.ht)[off] = S[ms][nt][i];
+          }
+        }
   }
 }
 

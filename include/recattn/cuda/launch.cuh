@@ -107,13 +107,13 @@ inline const char* chunked_unsupported(const problem& p) {
   return nullptr;
 }
 
-/// Tokens per sequence from which the chunked kernel is the automatic choice.
-/// Measured on an H200 (bench/README.md, 2026-12-03): the phase-1 chunked kernel takes 2.1 to
-/// 2.7 times the recurrent kernel's time on every issue-8 shape, so the automatic choice stays
-/// recurrent (0: never chunked) until it is faster; cfg.algo = chunked forces it, and
-/// candidate_cfgs lists it for an autotuner. RECATTN_CUDA_CHUNKED_MIN_TOKENS sets the threshold.
+/// Tokens per sequence from which the chunked kernel is the automatic choice (bfloat16 and
+/// half inputs with scalar gates or none; 0: never). Measured on an H200 (bench/README.md,
+/// 2026-12-05): the mma.sync chunked kernel takes 0.4 to 0.6 times the recurrent kernel's time
+/// on every issue-8 shape (T 2048 to 16384); from 256 tokens a sequence it has four chunks or
+/// more. cfg.algo forces either kernel, and candidate_cfgs lists both for an autotuner.
 #ifndef RECATTN_CUDA_CHUNKED_MIN_TOKENS
-#define RECATTN_CUDA_CHUNKED_MIN_TOKENS 0
+#define RECATTN_CUDA_CHUNKED_MIN_TOKENS 256
 #endif
 inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKENS;
 
@@ -125,17 +125,21 @@ inline bool chunked_pays(const problem& p) {
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) { return make_chunked_layout(p.K, bv, chunk).bytes; }
 
 /// Value columns of a chunked block: the fewest 16-column tiles that hold V, up to 64, halved
-/// while the blocks do not fill the multiprocessors once.
+/// while the blocks of half as many columns still fit the multiprocessors in one wave (a block
+/// fills an SM).
+/// Measured on an H200 (bench/README.md, 2026-12-05): B4 T4096 H16 K=V=128 takes 0.50 ms at
+/// 64 columns (128 blocks) and 0.84 at 32 (256 blocks, two waves); B1 T16384 H8 takes 2.24 ms
+/// at 16 columns (64 blocks), 2.84 at 64 (16 blocks).
 inline int chunked_block_v(const problem& p) {
   int bv = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
   const std::int64_t sms = sm_count();
-  while (bv > 16 && p.N * p.H * ((p.V + bv - 1) / bv) < sms) bv /= 2;
+  while (bv > 16 && p.N * p.H * ((p.V + bv / 2 - 1) / (bv / 2)) <= sms) bv /= 2;
   return bv;
 }
 
 }  // namespace detail
 
-/// The chunked kernel's default: chunks of 64 tokens, 4 warps, detail::chunked_block_v value
+/// The chunked kernel's default: chunks of 64 tokens, 8 warps, detail::chunked_block_v value
 /// columns, shrunk (columns first, then the chunk) until the block fits in shared memory.
 inline cfg chunked_heuristic_cfg(const problem& p) {
   detail::check_sizes(p);
@@ -146,7 +150,7 @@ inline cfg chunked_heuristic_cfg(const problem& p) {
   int bv = detail::chunked_block_v(p), chunk = 64;
   const std::size_t budget = detail::smem_budget();
   while (bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
-  while (chunk > 16 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  while (chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
   c.block_v = bv;
   c.chunk = chunk;
   return c;
@@ -168,8 +172,8 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
   const int Kp = int((p.K + 15) / 16 * 16);
   if (u.block_v != 0 && u.block_v != 16 && u.block_v != 32 && u.block_v != 64)
     fail("cfg.block_v", "0, 16, 32 or 64 with algorithm chunked", u.block_v);
-  if (u.chunk != 0 && u.chunk != 16 && u.chunk != 32 && u.chunk != 64)
-    fail("cfg.chunk", "0, 16, 32 or 64 with algorithm chunked", u.chunk);
+  if (u.chunk != 0 && u.chunk != 32 && u.chunk != 64)
+    fail("cfg.chunk", "0, 32 or 64 with algorithm chunked", u.chunk);
   if (u.num_warps != 0 && u.num_warps != detail::chunked_warps)
     fail("cfg.num_warps", cat("0 or ", detail::chunked_warps, " with algorithm chunked"), u.num_warps);
   if (u.block_k != 0 && u.block_k != Kp)
@@ -179,7 +183,7 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
   int chunk = u.chunk ? u.chunk : 64;
   const std::size_t budget = detail::smem_budget();
   while (!u.block_v && bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
-  while (!u.chunk && chunk > 16 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  while (!u.chunk && chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
   const std::size_t bytes = detail::chunked_bytes(p, bv, chunk);
   if (bytes > budget) {
     const bool by_bv = u.block_v != 0;
@@ -415,12 +419,27 @@ struct chunked_backend {
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
       P.L = make_chunked_layout(p.K, bv, a.c.chunk);
-      auto kernel = chunked_forward_kernel<T>;
-      if (P.L.bytes > 48 * 1024)
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(P.L.bytes)),
-              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-      kernel<<<unsigned(blocks), unsigned(32 * chunked_warps), P.L.bytes, a.stream>>>(P);
-      check(cudaGetLastError(), "chunked forward kernel launch");
+      const std::int64_t Bt = p.varlen ? 1 : p.B;
+      P.out_pairs = row_align(p.out_data(), 2,
+                              {Bt > 1 ? p.out.s0 * 2 : 0, p.T > 1 ? p.out.s1 * 2 : 0, p.H > 1 ? p.out.s2 * 2 : 0}) >= 4;
+      auto launch = [&](auto kernel) {
+        if (P.L.bytes > 48 * 1024)
+          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(P.L.bytes)),
+                "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+        kernel<<<unsigned(blocks), unsigned(32 * chunked_warps), P.L.bytes, a.stream>>>(P);
+        check(cudaGetLastError(), "chunked forward kernel launch");
+      };
+      constexpr bool gated = Policy::has_g || Policy::has_g_gamma;
+      auto by_bv = [&](auto chunk) {
+        constexpr int C = decltype(chunk)::value;
+        switch (bv) {
+          case 16: launch(chunked_forward_kernel<T, C, 16, gated>); break;
+          case 32: launch(chunked_forward_kernel<T, C, 32, gated>); break;
+          default: launch(chunked_forward_kernel<T, C, 64, gated>); break;
+        }
+      };
+      if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>());
+      else by_bv(std::integral_constant<int, 64>());
     }
   }
 };
@@ -444,7 +463,7 @@ inline void run_forward(const problem& p, const cfg& c, const forward_options& o
   const bool chunked = c.algo == algorithm::chunked;
   if (chunked) {
     if (const char* why = detail::chunked_unsupported(p)) recattn::detail::fail("cfg.algorithm", why, "chunked");
-    if (c.num_warps != detail::chunked_warps || (c.chunk != 16 && c.chunk != 32 && c.chunk != 64) ||
+    if (c.num_warps != detail::chunked_warps || (c.chunk != 32 && c.chunk != 64) ||
         (c.block_v != 16 && c.block_v != 32 && c.block_v != 64))
       recattn::detail::fail("cfg", "a configuration from cuda::resolve_cfg", c.str());
   } else if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 4 || c.chunk % 4 || c.chunk > 32 * c.num_warps) {
