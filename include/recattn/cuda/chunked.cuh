@@ -23,13 +23,17 @@
 // q, k, v of chunk c + 1 are copied into the other of two raw stages by cp.async while chunk
 // c is computed (zero-filled past the sequence end and past K or BV), S~ is double buffered,
 // so one barrier a chunk orders everything; the scalar gates of chunk c + 1 are loaded into
-// registers during chunk c, and every warp scans the chunk's log decays itself (in double,
-// a warp scan), so the factors need no barrier either.
+// registers during chunk c, and every warp scans the chunk's log decays itself (a warp scan
+// in double, kept as G log2(e) in float for exp2), so the factors need no barrier either.
+// The kernel is compiled per chunk length (32, 64), value block (16, 32, 64) and whether a
+// scalar decay is present (without one: no scan, no factors, only the causal mask).
 //
 // A decay of exactly 0 (log decay -inf, or below -1e4, where exp is 0 in float and double)
 // never forms e^{-inf - (-inf)}: the scan counts such tokens (a segment index), and a factor
-// across one of them is exactly 0; other factors are exp of differences of cumulative sums
-// in double. Positive log decays grow the factors like the reference's.
+// across one of them is exactly 0; other factors are exp2 of differences of cumulative sums
+// (summed in double, differenced in float: for |G| up to 2560 over a chunk, strong decays of
+// -40 a token, the factor's relative error stays below 2e-4). Positive log decays grow the
+// factors like the reference's.
 //
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
 // state S~ rounded to the input dtype each chunk); S itself accumulates in float. Measured
@@ -63,14 +67,14 @@ struct chunked_layout {
   unsigned off_raw = 0;           ///< two stages
   unsigned off_st = 0;            ///< two S~ buffers of st_bytes
   unsigned st_bytes = 0;
-  unsigned off_scan = 0;  ///< per warp: G (double), segment (int), e^{G_i}, e^{G_C - G_j} (float), [C] each
+  unsigned off_scan = 0;  ///< per warp: G log2(e), e^{G_i}, e^{G_C - G_j} (float), segment (int), [C] each
   unsigned scan_bytes = 0;
   std::size_t bytes = 0;
 };
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
-/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (16, 32 or 64).
+/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64).
 inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C) {
   chunked_layout L;
   L.C = C;
@@ -85,7 +89,7 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C) {
   L.off_raw = 0;
   L.st_bytes = unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
-  L.scan_bytes = unsigned(align128(std::size_t(C) * (8 + 4 + 4 + 4)));
+  L.scan_bytes = unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
   L.off_scan = L.off_st + 2 * L.st_bytes;
   L.bytes = std::size_t(L.off_scan) + std::size_t(chunked_warps) * L.scan_bytes;
   return L;
@@ -151,33 +155,23 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
   }
 }
 
-/// Copies the rows of chunk tokens [i0, i0 + C) of a 16-bit tensor into a stage tile
-/// ([C][pitch] elements): `count` elements of each row from `col0`, zeros up to `units` * 8
-/// and in the rows past the sequence end (cl real rows). 16-byte aligned rows go by cp.async
-/// (zero fill in the copy); others by plain 2-byte loads.
-__device__ __forceinline__ void stage_tile16(std::uint16_t* dst, int pitch, const row_tensor& x, std::int64_t base,
-                                             int count, int units, int C, int cl, bool reverse, std::int64_t begin,
-                                             std::int64_t len, std::int64_t i0) {
+/// One 16-byte unit of a staged row: the elements [e0, e0 + 8) of a row of a 16-bit tensor
+/// (`valid` of them real, the rest zero). 16-byte aligned rows go by cp.async (the zero fill in
+/// the copy); others by plain 2-byte loads.
+__device__ __forceinline__ void stage_unit(void* dst, const row_tensor& x, std::int64_t elem, int valid) {
   const std::uint16_t* data = reinterpret_cast<const std::uint16_t*>(x.data);
-  for (int u = int(threadIdx.x); u < C * units; u += 32 * chunked_warps) {
-    const int l = u / units, e0 = (u - l * units) * 8;
-    std::uint16_t* d = dst + l * pitch + e0;
-    const bool real = l < cl;
-    const std::int64_t t = begin + (reverse ? len - 1 - (i0 + l) : i0 + l);
-    const std::uint16_t* src = data + base + t * x.s1 + e0;
-    const int valid = real ? max(0, min(8, count - e0)) : 0;
-    if (x.align == 16) {
-      cp_async<16>(d, valid ? static_cast<const void*>(src) : static_cast<const void*>(data), 2 * valid);
-    } else {
-      unsigned w[4];
+  const std::uint16_t* src = data + elem;
+  if (x.align == 16) {
+    cp_async<16>(dst, valid > 0 ? static_cast<const void*>(src) : static_cast<const void*>(data), 2 * max(valid, 0));
+  } else {
+    unsigned w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned lo = 2 * i < valid ? unsigned(src[2 * i]) : 0u;
-        const unsigned hi = 2 * i + 1 < valid ? unsigned(src[2 * i + 1]) : 0u;
-        w[i] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = 0; i < 4; ++i) {
+      const unsigned lo = 2 * i < valid ? unsigned(src[2 * i]) : 0u;
+      const unsigned hi = 2 * i + 1 < valid ? unsigned(src[2 * i + 1]) : 0u;
+      w[i] = lo | (hi << 16);
     }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -191,32 +185,45 @@ struct chunked_params {
   bool out_pairs = false;  ///< output rows 4-byte aligned: pairs of columns stored at once
 };
 
-/// One kernel per input dtype (bfloat16, half) and value block (16, 32 or 64 columns): gates,
-/// direction, varlen, chunk length and state layout are uniform run-time values.
-template <class T, int BV>
-__global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward_kernel(const chunked_params P) {
+/// Blocks a multiprocessor must hold for value blocks of 16 or 32 columns (2 caps the kernel at
+/// 128 registers a thread; 64-column blocks need more and stay at 1).
+#ifndef RECATTN_CUDA_CHUNKED_NARROW_BLOCKS
+#define RECATTN_CUDA_CHUNKED_NARROW_BLOCKS 1
+#endif
+
+/// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
+/// or 64 columns) and whether a scalar decay is present: direction, varlen and state layout
+/// are uniform run-time values.
+template <class T, int C, int BV, bool GATED>
+__global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN_CUDA_CHUNKED_NARROW_BLOCKS : 1)
+    chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
   constexpr int NW = chunked_warps;
-  constexpr int NB = BV / 8;                 // 8-column tiles of the block
-  constexpr int NTW_MAX = NB >= 2 ? NB / 2 : 1;  // 8-column tiles of a warp's output (C = 64)
+  constexpr int NB = BV / 8;                          // 8-column tiles of the block
+  constexpr int nM = C / 16;                          // 16-token row tiles of a chunk
+  constexpr int WPM = NW / nM < NB ? NW / nM : NB;    // warps a row tile of output
+  constexpr int NTW = NB / WPM;                       // their 8-column tiles
+  constexpr int RPW = C / NW;                         // staged rows a warp
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
+  static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
   extern __shared__ __align__(128) unsigned char chunked_smem[];
 
-  const int C = L.C, Kp = L.Kp, ldk = L.ldk, ldv = L.ldv;
-  const int nKt = Kp / 16, nM = C / 16;
+  const int Kp = L.Kp, ldk = L.ldk, ldv = L.ldv;
+  const int nKt = Kp / 16;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const int WPM = min(NW / nM, NB);  // warps a row tile of output
-  const int NTW = NB / WPM;          // their 8-column tiles
   const bool out_warp = warp < nM * WPM;
-  const int mi = warp / WPM;                 // output row tile
-  const int nbase = (warp % WPM) * NTW * 8;  // first column of the warp's output
+  // Output row tile: tile m costs m + 1 token tiles of A and of A V, so with 4 tiles of 2 warps
+  // the warps that share a scheduler (w, w + 4) get tiles 0 + 3 or 1 + 2.
+  const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
+  const int nbase = (warp % WPM) * NTW * 8;        // first column of the warp's output
   const int r4 = lane >> 2, c4 = 2 * (lane & 3);  // an accumulator's row and column in its tile
 
   const bool reverse = p.reverse;
   const bool kv_layout = p.kv_layout;
   const bool has_g = p.g != nullptr, has_gamma = p.g_gamma != nullptr;
-  const bool gated = has_g || has_gamma;
 
   const int vb = int(blockIdx.x % unsigned(p.nvb));
   const int h = int((blockIdx.x / unsigned(p.nvb)) % unsigned(p.H));
@@ -245,31 +252,42 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
   auto stage_ptr = [&](int s) { return chunked_smem + L.off_raw + unsigned(s) * L.stage; };
   auto st_ptr = [&](int s) { return reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_st + unsigned(s) * L.st_bytes); };
   unsigned char* scan = chunked_smem + L.off_scan + unsigned(warp) * L.scan_bytes;
-  double* sG = reinterpret_cast<double*>(scan);
-  int* sSeg = reinterpret_cast<int*>(scan + 8 * C);
-  float* sFi = reinterpret_cast<float*>(scan + 12 * C);
-  float* sFc = reinterpret_cast<float*>(scan + 16 * C);
+  float* sG = reinterpret_cast<float*>(scan);  // G log2(e)
+  int* sSeg = reinterpret_cast<int*>(scan + 4 * C);
+  float* sFi = reinterpret_cast<float*>(scan + 8 * C);
+  float* sFc = reinterpret_cast<float*>(scan + 12 * C);
 
   const std::int64_t nchunks = (len + C - 1) / C;
+  // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
+  // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
+  const int UK = Kp / 8;
   auto issue_stage = [&](std::int64_t c) {
     unsigned char* s = stage_ptr(int(c & 1));
     const std::int64_t i0 = c * C;
     const int cl = int(len - i0 < C ? len - i0 : C);
-    stage_tile16(reinterpret_cast<std::uint16_t*>(s), ldk, p.q, q_base, p.K, Kp / 8, C, cl, reverse, begin, len, i0);
-    stage_tile16(reinterpret_cast<std::uint16_t*>(s + L.off_k), ldk, p.k, k_base, p.K, Kp / 8, C, cl, reverse, begin,
-                 len, i0);
-    stage_tile16(reinterpret_cast<std::uint16_t*>(s + L.off_v), ldv, p.v, v_base, w, NB, C, cl, reverse, begin, len,
-                 i0);
+    const int e0 = 8 * lane;
+#pragma unroll
+    for (int j = 0; j < RPW; ++j) {
+      const int l = warp + NW * j;
+      const std::int64_t t = tok(i0 + l);
+      const bool real = l < cl;
+      if (lane < UK) {
+        const int valid = real ? min(8, p.K - e0) : 0;
+        stage_unit(s + (l * ldk + e0) * 2, p.q, q_base + t * p.q.s1 + e0, valid);
+        stage_unit(s + L.off_k + (l * ldk + e0) * 2, p.k, k_base + t * p.k.s1 + e0, valid);
+      }
+      if (lane < NB) stage_unit(s + L.off_v + (l * ldv + e0) * 2, p.v, v_base + t * p.v.s1 + e0, real ? min(8, w - e0) : 0);
+    }
     cp_async_commit();
   };
-  // The scalar gate of a lane's tokens (lane * tpl + e) of chunk c; 0 past the sequence end.
-  const int tpl = C == 64 ? 2 : 1;
-  auto load_g = [&](std::int64_t c, float (&x)[2]) {
+  // The scalar gate of a lane's tokens (lane * TPL + e) of chunk c; 0 past the sequence end.
+  constexpr int TPL = C / 32;
+  auto load_g = [&](std::int64_t c, float (&x)[TPL]) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int l = lane * tpl + e;
+    for (int e = 0; e < TPL; ++e) {
+      const int l = lane * TPL + e;
       x[e] = 0.f;
-      if (has_g && e < tpl && l < C && c * C + l < len)
+      if (has_g && c * C + l < len)
         x[e] = load_any<float>(p.g, p.g_type, bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2);
     }
   };
@@ -291,7 +309,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
         }
         S[ms][nt][i] = x;
       }
-  // S~ (the state rounded to the input dtype) of a state buffer.
+  // S~ (the state rounded to the input dtype) into a state buffer.
   auto write_st = [&](std::uint16_t* st) {
 #pragma unroll
     for (int ms = 0; ms < 2; ++ms) {
@@ -309,22 +327,26 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
   const bool has_h0 = p.h0 != nullptr;
   if (has_h0) write_st(st_ptr(0));
 
-  float gnext[2] = {0.f, 0.f};
+  float gnext[TPL];
+#pragma unroll
+  for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
   if (nchunks > 0) {
     issue_stage(0);
-    load_g(0, gnext);
+    if (GATED) load_g(0, gnext);
   }
 
   for (std::int64_t c = 0; c < nchunks; ++c) {
     const int buf = int(c & 1);
     const std::int64_t i0 = c * C;
     const int cl = int(len - i0 < C ? len - i0 : C);
-    float gcur[2] = {gnext[0], gnext[1]};
+    float gcur[TPL];
+#pragma unroll
+    for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
     cp_async_wait<0>();
     __syncthreads();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
     if (c + 1 < nchunks) {
       issue_stage(c + 1);
-      load_g(c + 1, gnext);
+      if (GATED) load_g(c + 1, gnext);
     }
     const unsigned char* stg = stage_ptr(buf);
     const std::uint16_t* sq = reinterpret_cast<const std::uint16_t*>(stg);
@@ -332,23 +354,24 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
     const std::uint16_t* sv = reinterpret_cast<const std::uint16_t*>(stg + L.off_v);
     const std::uint16_t* st = st_ptr(buf);
 
-    // The decay scan of the chunk, by every warp for itself (double; a new segment at each
-    // zero decay).
-    double GC = 0.0;
+    // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
+    // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
+    float GC2 = 0.f;
     int segC = 0;
-    if (gated) {
-      double y[2];
-      int z[2];
+    if constexpr (GATED) {
+      double y[TPL];
+      int z[TPL];
+      double s = 0.0;
+      int sc = 0;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int l = lane * tpl + e;
-        double x = 0.0;
-        if (e < tpl && l < cl) x = gamma + double(gcur[e]);
+      for (int e = 0; e < TPL; ++e) {
+        const int l = lane * TPL + e;
+        const double x = l < cl ? gamma + double(gcur[e]) : 0.0;
         z[e] = x < -1e4 ? 1 : 0;
         y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
+        s += y[e];
+        sc += z[e];
       }
-      double s = y[0] + y[1];
-      int sc = z[0] + z[1];
 #pragma unroll
       for (int off = 1; off < 32; off *= 2) {
         const double t = __shfl_up_sync(0xffffffffu, s, off);
@@ -358,138 +381,127 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
           sc += tc;
         }
       }
-      double ex = __shfl_up_sync(0xffffffffu, s, 1);
-      int exc = __shfl_up_sync(0xffffffffu, sc, 1);
+      double G = __shfl_up_sync(0xffffffffu, s, 1);
+      int seg = __shfl_up_sync(0xffffffffu, sc, 1);
       if (lane == 0) {
-        ex = 0.0;
-        exc = 0;
+        G = 0.0;
+        seg = 0;
       }
-      const int last = (C / tpl) - 1;  // the lane of token C - 1
-      GC = __shfl_sync(0xffffffffu, s, last);
-      segC = __shfl_sync(0xffffffffu, sc, last);
-      double G = ex;
-      int seg = exc;
+      const double GC = __shfl_sync(0xffffffffu, s, 31);
+      segC = __shfl_sync(0xffffffffu, sc, 31);
+      GC2 = float(GC) * kLog2e;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int l = lane * tpl + e;
+      for (int e = 0; e < TPL; ++e) {
+        const int l = lane * TPL + e;
         G += y[e];
         seg += z[e];
-        if (e < tpl && l < C) {
-          sG[l] = G;
-          sSeg[l] = seg;
-          sFi[l] = seg == 0 ? expf(float(G)) : 0.f;
-          sFc[l] = seg == segC ? expf(float(GC - G)) : 0.f;
-        }
+        sG[l] = float(G) * kLog2e;
+        sSeg[l] = seg;
+        sFi[l] = seg == 0 ? exp2f(float(G) * kLog2e) : 0.f;
+        sFc[l] = seg == segC ? exp2f(float(GC - G) * kLog2e) : 0.f;
       }
       __syncwarp();
     }
 
     if (out_warp && 16 * mi < cl) {
       // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
-      float A[8][4], O[NTW_MAX][4];
+      float A[2 * nM][4], O[NTW][4];
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 2 * nM; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) A[t][i] = 0.f;
 #pragma unroll
-      for (int t = 0; t < NTW_MAX; ++t)
+      for (int t = 0; t < NTW; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) O[t][i] = 0.f;
       const bool inter = c > 0 || has_h0;
+      const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
+      const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+      const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+#pragma unroll 2
       for (int ks = 0; ks < nKt; ++ks) {
         unsigned qa[4];
-        ldsm_x4(qa, sq + (16 * mi + (lane & 15)) * ldk + 16 * ks + (lane >> 4) * 8);
+        ldsm_x4(qa, qrow + 16 * ks);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
+        for (int np = 0; np < nM; ++np) {
           if (np > mi) break;
           unsigned kb[4];
-          ldsm_x4(kb, sk + (16 * np + (lane & 7) + (lane >> 4) * 8) * ldk + 16 * ks + ((lane >> 3) & 1) * 8);
+          ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
           mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
           mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
         }
         if (inter) {
-          const std::uint16_t* srow = st + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase;
-          if (NTW_MAX >= 2 && NTW >= 2) {
+          if constexpr (NTW >= 2) {
 #pragma unroll
-            for (int np = 0; np < NTW_MAX / 2; ++np) {
-              if (2 * np >= NTW) break;
+            for (int np = 0; np < NTW / 2; ++np) {
               unsigned sb[4];
-              ldsm_x4_t(sb, srow + 16 * np + (lane >> 4) * 8);
+              ldsm_x4_t(sb, srow + 16 * ks * ldv + 16 * np);
               mma16816<T>(O[2 * np], qa, sb[0], sb[1]);
               mma16816<T>(O[2 * np + 1], qa, sb[2], sb[3]);
             }
           } else {
             unsigned sb[2];
-            ldsm_x2_t(sb, srow);
+            ldsm_x2_t(sb, srow + 16 * ks * ldv);
             mma16816<T>(O[0], qa, sb[0], sb[1]);
           }
         }
       }
-      // The decay mask of A (causal, e^{G_i - G_j} within a segment) and the incoming state's
+      // The decay mask of A (causal; e^{G_i - G_j} within a segment) and the incoming state's
       // row factors e^{G_i}.
       const int i_lo = 16 * mi + r4, i_hi = i_lo + 8;
-      double Gi[2] = {0.0, 0.0};
-      int segi[2] = {0, 0};
-      if (gated) {
-        Gi[0] = sG[i_lo];
-        Gi[1] = sG[i_hi];
-        segi[0] = sSeg[i_lo];
-        segi[1] = sSeg[i_hi];
-        const float fi0 = sFi[i_lo], fi1 = sFi[i_hi];
+      if constexpr (GATED) {
+        const float Gi[2] = {sG[i_lo], sG[i_hi]};
+        const int segi[2] = {sSeg[i_lo], sSeg[i_hi]};
+        const float fi[2] = {sFi[i_lo], sFi[i_hi]};
 #pragma unroll
-        for (int t = 0; t < NTW_MAX; ++t) {
-          O[t][0] = fi0 == 0.f ? 0.f : O[t][0] * fi0;
-          O[t][1] = fi0 == 0.f ? 0.f : O[t][1] * fi0;
-          O[t][2] = fi1 == 0.f ? 0.f : O[t][2] * fi1;
-          O[t][3] = fi1 == 0.f ? 0.f : O[t][3] * fi1;
-        }
-      }
+        for (int t = 0; t < NTW; ++t)
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        if (t >= 2 * (mi + 1)) break;
+          for (int i = 0; i < 4; ++i) O[t][i] = fi[i >> 1] == 0.f ? 0.f : O[t][i] * fi[i >> 1];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 8 * t + c4 + e;
-          double Gj = 0.0;
-          int segj = 0;
-          if (gated) {
-            Gj = sG[j];
-            segj = sSeg[j];
-          }
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int i = hh ? i_hi : i_lo;
-            float a = A[t][2 * hh + e];
-            if (j > i) {
-              a = 0.f;
-            } else if (gated) {
-              const float m = segi[hh] == segj ? expf(float(Gi[hh] - Gj)) : 0.f;
-              a = m == 0.f ? 0.f : a * m;
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * t + c4 + e;
+            const float Gj = sG[j];
+            const int segj = sSeg[j];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int i = hh ? i_hi : i_lo;
+              const float m = segi[hh] == segj ? exp2f(Gi[hh] - Gj) : 0.f;
+              const float a = A[t][2 * hh + e];
+              A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
             }
-            A[t][2 * hh + e] = a;
           }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (8 * t + c4 + (i & 1) > (i < 2 ? i_lo : i_hi)) A[t][i] = 0.f;
         }
       }
       // O += A V (A's accumulators as the A operand, 16 tokens a step).
+      const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
 #pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
+      for (int kt = 0; kt < nM; ++kt) {
         if (kt > mi) break;
         const unsigned aa[4] = {pack2<T>(A[2 * kt][0], A[2 * kt][1]), pack2<T>(A[2 * kt][2], A[2 * kt][3]),
                                 pack2<T>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
                                 pack2<T>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
-        const std::uint16_t* vrow = sv + (16 * kt + (lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase;
-        if (NTW_MAX >= 2 && NTW >= 2) {
+        if constexpr (NTW >= 2) {
 #pragma unroll
-          for (int np = 0; np < NTW_MAX / 2; ++np) {
-            if (2 * np >= NTW) break;
+          for (int np = 0; np < NTW / 2; ++np) {
             unsigned vb4[4];
-            ldsm_x4_t(vb4, vrow + 16 * np + (lane >> 4) * 8);
+            ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
             mma16816<T>(O[2 * np], aa, vb4[0], vb4[1]);
             mma16816<T>(O[2 * np + 1], aa, vb4[2], vb4[3]);
           }
         } else {
           unsigned vb2[2];
-          ldsm_x2_t(vb2, vrow);
+          ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
           mma16816<T>(O[0], aa, vb2[0], vb2[1]);
         }
       }
@@ -500,8 +512,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
         if (i >= cl) continue;
         T* row = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(i0 + i) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
 #pragma unroll
-        for (int t = 0; t < NTW_MAX; ++t) {
-          if (t >= NTW) break;
+        for (int t = 0; t < NTW; ++t) {
           const int b = nbase + 8 * t + c4;
           const float x0 = scale * O[t][2 * hh], x1 = scale * O[t][2 * hh + 1];
           if (P.out_pairs && b + 1 < w) {
@@ -515,8 +526,8 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
     }
 
     // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
-    if (gated) {
-      const float f = segC == 0 ? expf(float(GC)) : 0.f;
+    if constexpr (GATED) {
+      const float f = segC == 0 ? exp2f(GC2) : 0.f;
 #pragma unroll
       for (int ms = 0; ms < 2; ++ms)
 #pragma unroll
@@ -524,31 +535,32 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
 #pragma unroll
           for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
     }
+    const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+    const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      if (kt >= nM || 16 * kt >= cl) break;
+    for (int kt = 0; kt < nM; ++kt) {
+      if (16 * kt >= cl) break;
       unsigned ka[2][4];
 #pragma unroll
       for (int ms = 0; ms < 2; ++ms) {
         const int mt = warp + NW * ms;
         if (mt >= nKt) continue;
-        ldsm_x4_t(ka[ms], sk + (16 * kt + (lane & 7) + (lane >> 4) * 8) * ldk + 16 * mt + ((lane >> 3) & 1) * 8);
-        if (gated) {
+        ldsm_x4_t(ka[ms], ktrow + 16 * kt * ldk + 16 * mt);
+        if constexpr (GATED) {
           const int j0 = 16 * kt + c4;  // a0, a1: tokens j0, j0 + 1; a2, a3: j0 + 8, j0 + 9
           const float f0 = sFc[j0], f1 = sFc[j0 + 1], f8 = sFc[j0 + 8], f9 = sFc[j0 + 9];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const float2 x = unpack2<T>(ka[ms][r]);
-            const float fa = r < 2 ? f0 : f8, fb = r < 2 ? f1 : f9;
+            const float fa = (r & 2) ? f8 : f0, fb = (r & 2) ? f9 : f1;
             ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
           }
         }
       }
-      const std::uint16_t* vrow = sv + (16 * kt + (lane & 7) + ((lane >> 3) & 1) * 8) * ldv;
 #pragma unroll
       for (int np = 0; np < NB / 2; ++np) {
         unsigned vb4[4];
-        ldsm_x4_t(vb4, vrow + 16 * np + (lane >> 4) * 8);
+        ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
 #pragma unroll
         for (int ms = 0; ms < 2; ++ms) {
           if (warp + NW * ms >= nKt) continue;

@@ -429,11 +429,17 @@ struct chunked_backend {
         kernel<<<unsigned(blocks), unsigned(32 * chunked_warps), P.L.bytes, a.stream>>>(P);
         check(cudaGetLastError(), "chunked forward kernel launch");
       };
-      switch (bv) {
-        case 16: launch(chunked_forward_kernel<T, 16>); break;
-        case 32: launch(chunked_forward_kernel<T, 32>); break;
-        default: launch(chunked_forward_kernel<T, 64>); break;
-      }
+      constexpr bool gated = Policy::has_g || Policy::has_g_gamma;
+      auto by_bv = [&](auto chunk) {
+        constexpr int C = decltype(chunk)::value;
+        switch (bv) {
+          case 16: launch(chunked_forward_kernel<T, C, 16, gated>); break;
+          case 32: launch(chunked_forward_kernel<T, C, 32, gated>); break;
+          default: launch(chunked_forward_kernel<T, C, 64, gated>); break;
+        }
+      };
+      if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>());
+      else by_bv(std::integral_constant<int, 64>());
     }
   }
 };
