@@ -11,7 +11,8 @@
 // Products are mma.sync m16n8k16 (16-bit operands from ldmatrix, float accumulators), and
 // every accumulator stays in registers:
 //   - the state block S [Kp x BV] (Kp = K rounded up to 16) in float, spread over the warps
-//     by 16-row tiles (warp w holds row tiles w and w + 8, every column); each chunk it is
+//     by 16-row tiles (warp w holds row tile w, and w + 8 when K > 128: MS tiles, a
+//     compile-time count, so that K <= 128 keeps no idle registers), every column; each chunk it is
 //     also written to shared memory rounded to the input dtype (S~, the operand of Q S~);
 //   - output tiles: the chunk's C x BV outputs as (C / 16) row tiles, each split over WPM
 //     warps by columns (NTW 8-column tiles a warp). The warp of row tile m forms
@@ -25,8 +26,9 @@
 // so one barrier a chunk orders everything; the scalar gates of chunk c + 1 are loaded into
 // registers during chunk c, and every warp scans the chunk's log decays itself (a warp scan
 // in double, kept as G log2(e) in float for exp2), so the factors need no barrier either.
-// The kernel is compiled per chunk length (32, 64), value block (16, 32, 64) and whether a
-// scalar decay is present (without one: no scan, no factors, only the causal mask).
+// The kernel is compiled per chunk length (32, 64), value block (16, 32, 64), whether a
+// scalar decay is present (without one: no scan, no factors, only the causal mask) and state
+// row tiles a warp (MS: 1 up to K = 128, 2 up to 256).
 //
 // A decay of exactly 0 (log decay -inf, or below -1e4, where exp is 0 in float and double)
 // never forms e^{-inf - (-inf)}: the scan counts such tokens (a segment index), and a factor
@@ -192,9 +194,9 @@ struct chunked_params {
 #endif
 
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
-/// or 64 columns) and whether a scalar decay is present: direction, varlen and state layout
-/// are uniform run-time values.
-template <class T, int C, int BV, bool GATED>
+/// or 64 columns), whether a scalar decay is present and state row tiles a warp (MS):
+/// direction, varlen and state layout are uniform run-time values.
+template <class T, int C, int BV, bool GATED, int MS>
 __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN_CUDA_CHUNKED_NARROW_BLOCKS : 1)
     chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
@@ -206,6 +208,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
   constexpr int RPW = C / NW;                         // staged rows a warp
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
+  static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
@@ -292,10 +295,10 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
     }
   };
 
-  // The state block: row tiles warp and warp + 8, every column (zeros past K and w).
-  float S[2][NB][4];
+  // The state block: row tiles warp (and warp + 8 when MS = 2), every column (zeros past K and w).
+  float S[MS][NB][4];
 #pragma unroll
-  for (int ms = 0; ms < 2; ++ms)
+  for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
     for (int nt = 0; nt < NB; ++nt)
 #pragma unroll
@@ -312,7 +315,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
   // S~ (the state rounded to the input dtype) into a state buffer.
   auto write_st = [&](std::uint16_t* st) {
 #pragma unroll
-    for (int ms = 0; ms < 2; ++ms) {
+    for (int ms = 0; ms < MS; ++ms) {
       const int mt = warp + NW * ms;
       if (mt >= nKt) continue;
 #pragma unroll
@@ -529,7 +532,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
     if constexpr (GATED) {
       const float f = segC == 0 ? exp2f(GC2) : 0.f;
 #pragma unroll
-      for (int ms = 0; ms < 2; ++ms)
+      for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
         for (int nt = 0; nt < NB; ++nt)
 #pragma unroll
@@ -540,9 +543,9 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
 #pragma unroll
     for (int kt = 0; kt < nM; ++kt) {
       if (16 * kt >= cl) break;
-      unsigned ka[2][4];
+      unsigned ka[MS][4];
 #pragma unroll
-      for (int ms = 0; ms < 2; ++ms) {
+      for (int ms = 0; ms < MS; ++ms) {
         const int mt = warp + NW * ms;
         if (mt >= nKt) continue;
         ldsm_x4_t(ka[ms], ktrow + 16 * kt * ldk + 16 * mt);
@@ -562,7 +565,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
         unsigned vb4[4];
         ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
 #pragma unroll
-        for (int ms = 0; ms < 2; ++ms) {
+        for (int ms = 0; ms < MS; ++ms) {
           if (warp + NW * ms >= nKt) continue;
           mma16816<T>(S[ms][2 * np], ka[ms], vb4[0], vb4[1]);
           mma16816<T>(S[ms][2 * np + 1], ka[ms], vb4[2], vb4[3]);
@@ -575,7 +578,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
   // The final state, from the registers.
   if (p.ht) {
 #pragma unroll
-    for (int ms = 0; ms < 2; ++ms)
+    for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
       for (int nt = 0; nt < NB; ++nt)
 #pragma unroll

@@ -430,16 +430,21 @@ struct chunked_backend {
         check(cudaGetLastError(), "chunked forward kernel launch");
       };
       constexpr bool gated = Policy::has_g || Policy::has_g_gamma;
-      auto by_bv = [&](auto chunk) {
-        constexpr int C = decltype(chunk)::value;
+      auto by_bv = [&](auto chunk, auto ms) {
+        constexpr int C = decltype(chunk)::value, MS = decltype(ms)::value;
         switch (bv) {
-          case 16: launch(chunked_forward_kernel<T, C, 16, gated>); break;
-          case 32: launch(chunked_forward_kernel<T, C, 32, gated>); break;
-          default: launch(chunked_forward_kernel<T, C, 64, gated>); break;
+          case 16: launch(chunked_forward_kernel<T, C, 16, gated, MS>); break;
+          case 32: launch(chunked_forward_kernel<T, C, 32, gated, MS>); break;
+          default: launch(chunked_forward_kernel<T, C, 64, gated, MS>); break;
         }
       };
-      if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>());
-      else by_bv(std::integral_constant<int, 64>());
+      // State row tiles a warp: one up to K = 128 (8 warps of 16 rows), two beyond.
+      auto by_chunk = [&](auto ms) {
+        if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>(), ms);
+        else by_bv(std::integral_constant<int, 64>(), ms);
+      };
+      if (P.L.Kp <= 16 * chunked_warps) by_chunk(std::integral_constant<int, 1>());
+      else by_chunk(std::integral_constant<int, 2>());
     }
   }
 };
