@@ -57,7 +57,9 @@ namespace recattn::cuda {
 namespace detail {
 
 /// Warps of a chunked block.
-inline constexpr int chunked_warps = 8;
+inline constexpr int chunked_warps = 16;
+/// Of them, the warps that form the outputs; the others hold the state.
+inline constexpr int chunked_out_warps = 8;
 
 /// Shared memory of a chunked block: pitches (16-bit elements) and byte offsets.
 struct chunked_layout {
@@ -187,28 +189,24 @@ struct chunked_params {
   bool out_pairs = false;  ///< output rows 4-byte aligned: pairs of columns stored at once
 };
 
-/// Blocks a multiprocessor must hold for value blocks of 16 or 32 columns (2 caps the kernel at
-/// 128 registers a thread; 64-column blocks need more and stay at 1).
-#ifndef RECATTN_CUDA_CHUNKED_NARROW_BLOCKS
-#define RECATTN_CUDA_CHUNKED_NARROW_BLOCKS 1
-#endif
-
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
 /// or 64 columns), whether a scalar decay is present and state row tiles a warp (MS):
 /// direction, varlen and state layout are uniform run-time values.
 template <class T, int C, int BV, bool GATED, int MS>
-__global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN_CUDA_CHUNKED_NARROW_BLOCKS : 1)
-    chunked_forward_kernel(const chunked_params P) {
+__global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
   constexpr int NW = chunked_warps;
+  constexpr int NWO = chunked_out_warps;              // output warps; the rest hold the state
   constexpr int NB = BV / 8;                          // 8-column tiles of the block
   constexpr int nM = C / 16;                          // 16-token row tiles of a chunk
-  constexpr int WPM = NW / nM < NB ? NW / nM : NB;    // warps a row tile of output
+  constexpr int WPM = NWO / nM < NB ? NWO / nM : NB;  // warps a row tile of output
   constexpr int NTW = NB / WPM;                       // their 8-column tiles
   constexpr int RPW = C / NW;                         // staged rows a warp
+  constexpr int NWS = NW - NWO;                       // state warps
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
+  static_assert(NWS == 8 && C % NW == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
@@ -217,11 +215,6 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
   const int Kp = L.Kp, ldk = L.ldk, ldv = L.ldv;
   const int nKt = Kp / 16;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const bool out_warp = warp < nM * WPM;
-  // Output row tile: tile m costs m + 1 token tiles of A and of A V, so with 4 tiles of 2 warps
-  // the warps that share a scheduler (w, w + 4) get tiles 0 + 3 or 1 + 2.
-  const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
-  const int nbase = (warp % WPM) * NTW * 8;        // first column of the warp's output
   const int r4 = lane >> 2, c4 = 2 * (lane & 3);  // an accumulator's row and column in its tile
 
   const bool reverse = p.reverse;
@@ -261,6 +254,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
   float* sFc = reinterpret_cast<float*>(scan + 12 * C);
 
   const std::int64_t nchunks = (len + C - 1) / C;
+  const bool has_h0 = p.h0 != nullptr;
   // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
   // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
   const int UK = Kp / 8;
@@ -294,303 +288,320 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, BV <= 32 ? RECATTN
         x[e] = load_any<float>(p.g, p.g_type, bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2);
     }
   };
+  // One barrier of all NW warps. The two roles run separate loops (each keeps only its own
+  // registers live), so the barrier is a named one, reached from both.
+  auto block_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(32 * NW) : "memory"); };
 
-  // The state block: row tiles warp (and warp + 8 when MS = 2), every column (zeros past K and w).
-  float S[MS][NB][4];
+  // The chunk loop of one role: every warp stages its share of chunk c + 1, loads the gates
+  // and scans the chunk's decays for itself; then the role's work.
+  auto chunk_loop = [&](auto&& work) {
+    float gnext[TPL];
 #pragma unroll
-  for (int ms = 0; ms < MS; ++ms)
+    for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
+    if (nchunks > 0) {
+      issue_stage(0);
+      if (GATED) load_g(0, gnext);
+    }
+    for (std::int64_t c = 0; c < nchunks; ++c) {
+      const int buf = int(c & 1);
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      float gcur[TPL];
 #pragma unroll
-    for (int nt = 0; nt < NB; ++nt)
+      for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
+      cp_async_wait<0>();
+      block_sync();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
+      if (c + 1 < nchunks) {
+        issue_stage(c + 1);
+        if (GATED) load_g(c + 1, gnext);
+      }
+      // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
+      // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
+      float GC2 = 0.f;
+      int segC = 0;
+      if constexpr (GATED) {
+        double y[TPL];
+        int z[TPL];
+        double s = 0.0;
+        int sc = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int a = 16 * (warp + NW * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
-        float x = 0.f;
-        if (p.h0 && a < p.K && b < w) {
-          const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + (b0 + b)
-                                             : n * p.h0_s0 + h * p.h0_s1 + (b0 + b) * p.h0_s2 + a;
-          x = static_cast<const float*>(p.h0)[off];
+        for (int e = 0; e < TPL; ++e) {
+          const int l = lane * TPL + e;
+          const double x = l < cl ? gamma + double(gcur[e]) : 0.0;
+          z[e] = x < -1e4 ? 1 : 0;
+          y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
+          s += y[e];
+          sc += z[e];
         }
-        S[ms][nt][i] = x;
-      }
-  // S~ (the state rounded to the input dtype) into a state buffer.
-  auto write_st = [&](std::uint16_t* st) {
 #pragma unroll
-    for (int ms = 0; ms < MS; ++ms) {
-      const int mt = warp + NW * ms;
-      if (mt >= nKt) continue;
+        for (int off = 1; off < 32; off *= 2) {
+          const double t = __shfl_up_sync(0xffffffffu, s, off);
+          const int tc = __shfl_up_sync(0xffffffffu, sc, off);
+          if (lane >= off) {
+            s += t;
+            sc += tc;
+          }
+        }
+        double G = __shfl_up_sync(0xffffffffu, s, 1);
+        int seg = __shfl_up_sync(0xffffffffu, sc, 1);
+        if (lane == 0) {
+          G = 0.0;
+          seg = 0;
+        }
+        const double GC = __shfl_sync(0xffffffffu, s, 31);
+        segC = __shfl_sync(0xffffffffu, sc, 31);
+        GC2 = float(GC) * kLog2e;
 #pragma unroll
-      for (int nt = 0; nt < NB; ++nt) {
-        unsigned* row0 = reinterpret_cast<unsigned*>(st + (16 * mt + r4) * ldv + 8 * nt + c4);
-        unsigned* row8 = reinterpret_cast<unsigned*>(st + (16 * mt + r4 + 8) * ldv + 8 * nt + c4);
-        *row0 = pack2<T>(S[ms][nt][0], S[ms][nt][1]);
-        *row8 = pack2<T>(S[ms][nt][2], S[ms][nt][3]);
+        for (int e = 0; e < TPL; ++e) {
+          const int l = lane * TPL + e;
+          G += y[e];
+          seg += z[e];
+          sG[l] = float(G) * kLog2e;
+          sSeg[l] = seg;
+          sFi[l] = seg == 0 ? exp2f(float(G) * kLog2e) : 0.f;
+          sFc[l] = seg == segC ? exp2f(float(GC - G) * kLog2e) : 0.f;
+        }
+        __syncwarp();
       }
+      const unsigned char* stg = stage_ptr(buf);
+      work(c, buf, i0, cl, reinterpret_cast<const std::uint16_t*>(stg),
+           reinterpret_cast<const std::uint16_t*>(stg + L.off_k), reinterpret_cast<const std::uint16_t*>(stg + L.off_v),
+           GC2, segC);
     }
   };
-  const bool has_h0 = p.h0 != nullptr;
-  if (has_h0) write_st(st_ptr(0));
 
-  float gnext[TPL];
-#pragma unroll
-  for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
-  if (nchunks > 0) {
-    issue_stage(0);
-    if (GATED) load_g(0, gnext);
-  }
-
-  for (std::int64_t c = 0; c < nchunks; ++c) {
-    const int buf = int(c & 1);
-    const std::int64_t i0 = c * C;
-    const int cl = int(len - i0 < C ? len - i0 : C);
-    float gcur[TPL];
-#pragma unroll
-    for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
-    cp_async_wait<0>();
-    __syncthreads();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
-    if (c + 1 < nchunks) {
-      issue_stage(c + 1);
-      if (GATED) load_g(c + 1, gnext);
-    }
-    const unsigned char* stg = stage_ptr(buf);
-    const std::uint16_t* sq = reinterpret_cast<const std::uint16_t*>(stg);
-    const std::uint16_t* sk = reinterpret_cast<const std::uint16_t*>(stg + L.off_k);
-    const std::uint16_t* sv = reinterpret_cast<const std::uint16_t*>(stg + L.off_v);
-    const std::uint16_t* st = st_ptr(buf);
-
-    // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
-    // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
-    float GC2 = 0.f;
-    int segC = 0;
-    if constexpr (GATED) {
-      double y[TPL];
-      int z[TPL];
-      double s = 0.0;
-      int sc = 0;
-#pragma unroll
-      for (int e = 0; e < TPL; ++e) {
-        const int l = lane * TPL + e;
-        const double x = l < cl ? gamma + double(gcur[e]) : 0.0;
-        z[e] = x < -1e4 ? 1 : 0;
-        y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
-        s += y[e];
-        sc += z[e];
-      }
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const double t = __shfl_up_sync(0xffffffffu, s, off);
-        const int tc = __shfl_up_sync(0xffffffffu, sc, off);
-        if (lane >= off) {
-          s += t;
-          sc += tc;
-        }
-      }
-      double G = __shfl_up_sync(0xffffffffu, s, 1);
-      int seg = __shfl_up_sync(0xffffffffu, sc, 1);
-      if (lane == 0) {
-        G = 0.0;
-        seg = 0;
-      }
-      const double GC = __shfl_sync(0xffffffffu, s, 31);
-      segC = __shfl_sync(0xffffffffu, sc, 31);
-      GC2 = float(GC) * kLog2e;
-#pragma unroll
-      for (int e = 0; e < TPL; ++e) {
-        const int l = lane * TPL + e;
-        G += y[e];
-        seg += z[e];
-        sG[l] = float(G) * kLog2e;
-        sSeg[l] = seg;
-        sFi[l] = seg == 0 ? exp2f(float(G) * kLog2e) : 0.f;
-        sFc[l] = seg == segC ? exp2f(float(GC - G) * kLog2e) : 0.f;
-      }
-      __syncwarp();
-    }
-
-    if (out_warp && 16 * mi < cl) {
-      // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
-      float A[2 * nM][4], O[NTW][4];
-#pragma unroll
-      for (int t = 0; t < 2 * nM; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) A[t][i] = 0.f;
-#pragma unroll
-      for (int t = 0; t < NTW; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) O[t][i] = 0.f;
-      const bool inter = c > 0 || has_h0;
-      const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
-      const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
-      const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
-#pragma unroll 2
-      for (int ks = 0; ks < nKt; ++ks) {
-        unsigned qa[4];
-        ldsm_x4(qa, qrow + 16 * ks);
-#pragma unroll
-        for (int np = 0; np < nM; ++np) {
-          if (np > mi) break;
-          unsigned kb[4];
-          ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
-          mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
-          mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
-        }
-        if (inter) {
-          if constexpr (NTW >= 2) {
-#pragma unroll
-            for (int np = 0; np < NTW / 2; ++np) {
-              unsigned sb[4];
-              ldsm_x4_t(sb, srow + 16 * ks * ldv + 16 * np);
-              mma16816<T>(O[2 * np], qa, sb[0], sb[1]);
-              mma16816<T>(O[2 * np + 1], qa, sb[2], sb[3]);
-            }
-          } else {
-            unsigned sb[2];
-            ldsm_x2_t(sb, srow + 16 * ks * ldv);
-            mma16816<T>(O[0], qa, sb[0], sb[1]);
-          }
-        }
-      }
-      // The decay mask of A (causal; e^{G_i - G_j} within a segment) and the incoming state's
-      // row factors e^{G_i}.
-      const int i_lo = 16 * mi + r4, i_hi = i_lo + 8;
-      if constexpr (GATED) {
-        const float Gi[2] = {sG[i_lo], sG[i_hi]};
-        const int segi[2] = {sSeg[i_lo], sSeg[i_hi]};
-        const float fi[2] = {sFi[i_lo], sFi[i_hi]};
-#pragma unroll
-        for (int t = 0; t < NTW; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) O[t][i] = fi[i >> 1] == 0.f ? 0.f : O[t][i] * fi[i >> 1];
-#pragma unroll
-        for (int t = 0; t < 2 * nM; ++t) {
-          if (t >= 2 * (mi + 1)) break;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = 8 * t + c4 + e;
-            const float Gj = sG[j];
-            const int segj = sSeg[j];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int i = hh ? i_hi : i_lo;
-              const float m = segi[hh] == segj ? exp2f(Gi[hh] - Gj) : 0.f;
-              const float a = A[t][2 * hh + e];
-              A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int t = 0; t < 2 * nM; ++t) {
-          if (t >= 2 * (mi + 1)) break;
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            if (8 * t + c4 + (i & 1) > (i < 2 ? i_lo : i_hi)) A[t][i] = 0.f;
-        }
-      }
-      // O += A V (A's accumulators as the A operand, 16 tokens a step).
-      const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
-#pragma unroll
-      for (int kt = 0; kt < nM; ++kt) {
-        if (kt > mi) break;
-        const unsigned aa[4] = {pack2<T>(A[2 * kt][0], A[2 * kt][1]), pack2<T>(A[2 * kt][2], A[2 * kt][3]),
-                                pack2<T>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
-                                pack2<T>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
-        if constexpr (NTW >= 2) {
-#pragma unroll
-          for (int np = 0; np < NTW / 2; ++np) {
-            unsigned vb4[4];
-            ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
-            mma16816<T>(O[2 * np], aa, vb4[0], vb4[1]);
-            mma16816<T>(O[2 * np + 1], aa, vb4[2], vb4[3]);
-          }
-        } else {
-          unsigned vb2[2];
-          ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
-          mma16816<T>(O[0], aa, vb2[0], vb2[1]);
-        }
-      }
-      // The chunk's outputs (rows < cl, columns < w).
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = hh ? i_hi : i_lo;
-        if (i >= cl) continue;
-        T* row = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(i0 + i) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
-#pragma unroll
-        for (int t = 0; t < NTW; ++t) {
-          const int b = nbase + 8 * t + c4;
-          const float x0 = scale * O[t][2 * hh], x1 = scale * O[t][2 * hh + 1];
-          if (P.out_pairs && b + 1 < w) {
-            *reinterpret_cast<unsigned*>(row + b) = pack2<T>(x0, x1);
-          } else {
-            if (b < w) row[b] = from_acc<T>(x0);
-            if (b + 1 < w) row[b + 1] = from_acc<T>(x1);
-          }
-        }
-      }
-    }
-
-    // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
-    if constexpr (GATED) {
-      const float f = segC == 0 ? exp2f(GC2) : 0.f;
-#pragma unroll
-      for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-        for (int nt = 0; nt < NB; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
-    }
-    const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
-    const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
-#pragma unroll
-    for (int kt = 0; kt < nM; ++kt) {
-      if (16 * kt >= cl) break;
-      unsigned ka[MS][4];
-#pragma unroll
-      for (int ms = 0; ms < MS; ++ms) {
-        const int mt = warp + NW * ms;
-        if (mt >= nKt) continue;
-        ldsm_x4_t(ka[ms], ktrow + 16 * kt * ldk + 16 * mt);
-        if constexpr (GATED) {
-          const int j0 = 16 * kt + c4;  // a0, a1: tokens j0, j0 + 1; a2, a3: j0 + 8, j0 + 9
-          const float f0 = sFc[j0], f1 = sFc[j0 + 1], f8 = sFc[j0 + 8], f9 = sFc[j0 + 9];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const float2 x = unpack2<T>(ka[ms][r]);
-            const float fa = (r & 2) ? f8 : f0, fb = (r & 2) ? f9 : f1;
-            ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
-          }
-        }
-      }
-#pragma unroll
-      for (int np = 0; np < NB / 2; ++np) {
-        unsigned vb4[4];
-        ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
-#pragma unroll
-        for (int ms = 0; ms < MS; ++ms) {
-          if (warp + NW * ms >= nKt) continue;
-          mma16816<T>(S[ms][2 * np], ka[ms], vb4[0], vb4[1]);
-          mma16816<T>(S[ms][2 * np + 1], ka[ms], vb4[2], vb4[3]);
-        }
-      }
-    }
-    if (c + 1 < nchunks) write_st(st_ptr(buf ^ 1));
-  }
-
-  // The final state, from the registers.
-  if (p.ht) {
+  if (warp >= NWO) {
+    // State warps: row tiles sw (and sw + NWS when MS = 2), every column, in float registers
+    // (zeros past K and w); S~ (rounded to the input dtype) into the state buffer of the next
+    // chunk.
+    const int sw = warp - NWO;
+    float S[MS][NB][4];
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
       for (int nt = 0; nt < NB; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int a = 16 * (warp + NW * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
-          if (a < p.K && b < w) {
-            const std::int64_t off = kv_layout ? n * p.ht_s0 + h * p.ht_s1 + a * p.ht_s2 + (b0 + b)
-                                               : n * p.ht_s0 + h * p.ht_s1 + (b0 + b) * p.ht_s2 + a;
-            static_cast<float*>(p.ht)[off] = S[ms][nt][i];
+          const int a = 16 * (sw + NWS * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
+          float x = 0.f;
+          if (has_h0 && a < p.K && b < w) {
+            const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + (b0 + b)
+                                               : n * p.h0_s0 + h * p.h0_s1 + (b0 + b) * p.h0_s2 + a;
+            x = static_cast<const float*>(p.h0)[off];
+          }
+          S[ms][nt][i] = x;
+        }
+    auto write_st = [&](std::uint16_t* st) {
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms) {
+        const int mt = sw + NWS * ms;
+        if (mt >= nKt) continue;
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt) {
+          unsigned* row0 = reinterpret_cast<unsigned*>(st + (16 * mt + r4) * ldv + 8 * nt + c4);
+          unsigned* row8 = reinterpret_cast<unsigned*>(st + (16 * mt + r4 + 8) * ldv + 8 * nt + c4);
+          *row0 = pack2<T>(S[ms][nt][0], S[ms][nt][1]);
+          *row8 = pack2<T>(S[ms][nt][2], S[ms][nt][3]);
+        }
+      }
+    };
+    if (has_h0) write_st(st_ptr(0));
+    chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
+                   const std::uint16_t* sv, float GC2, int segC) {
+      // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
+      if constexpr (GATED) {
+        const float f = segC == 0 ? exp2f(GC2) : 0.f;
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
+      }
+      const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+      const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
+#pragma unroll
+      for (int kt = 0; kt < nM; ++kt) {
+        if (16 * kt >= cl) break;
+        unsigned ka[MS][4];
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+          const int mt = sw + NWS * ms;
+          if (mt >= nKt) continue;
+          ldsm_x4_t(ka[ms], ktrow + 16 * kt * ldk + 16 * mt);
+          if constexpr (GATED) {
+            const int j0 = 16 * kt + c4;  // a0, a1: tokens j0, j0 + 1; a2, a3: j0 + 8, j0 + 9
+            const float f0 = sFc[j0], f1 = sFc[j0 + 1], f8 = sFc[j0 + 8], f9 = sFc[j0 + 9];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float2 x = unpack2<T>(ka[ms][r]);
+              const float fa = (r & 2) ? f8 : f0, fb = (r & 2) ? f9 : f1;
+              ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
+            }
           }
         }
+#pragma unroll
+        for (int np = 0; np < NB / 2; ++np) {
+          unsigned vb4[4];
+          ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
+#pragma unroll
+          for (int ms = 0; ms < MS; ++ms) {
+            if (sw + NWS * ms >= nKt) continue;
+            mma16816<T>(S[ms][2 * np], ka[ms], vb4[0], vb4[1]);
+            mma16816<T>(S[ms][2 * np + 1], ka[ms], vb4[2], vb4[3]);
+          }
+        }
+      }
+      if (c + 1 < nchunks) write_st(st_ptr(buf ^ 1));
+    });
+    // The final state, from the registers.
+    if (p.ht) {
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int a = 16 * (sw + NWS * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
+            if (a < p.K && b < w) {
+              const std::int64_t off = kv_layout ? n * p.ht_s0 + h * p.ht_s1 + a * p.ht_s2 + (b0 + b)
+                                                 : n * p.ht_s0 + h * p.ht_s1 + (b0 + b) * p.ht_s2 + a;
+              static_cast<float*>(p.ht)[off] = S[ms][nt][i];
+            }
+          }
+    }
+    return;
   }
+
+  // Output warps. Row tile: tile m costs m + 1 token tiles of A and of A V, so with 4 tiles of
+  // 2 warps the warps that share a scheduler (w, w + 4) get tiles 0 + 3 or 1 + 2.
+  const bool out_warp = warp < nM * WPM;
+  const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
+  const int nbase = (warp % WPM) * NTW * 8;  // first column of the warp's output
+  chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
+                 const std::uint16_t* sv, float, int) {
+    if (!out_warp || 16 * mi >= cl) return;
+    const std::uint16_t* st = st_ptr(buf);
+    // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
+    float A[2 * nM][4], O[NTW][4];
+#pragma unroll
+    for (int t = 0; t < 2 * nM; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) A[t][i] = 0.f;
+#pragma unroll
+    for (int t = 0; t < NTW; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) O[t][i] = 0.f;
+    const bool inter = c > 0 || has_h0;
+    const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
+    const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
+    const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+#pragma unroll 2
+    for (int ks = 0; ks < nKt; ++ks) {
+      unsigned qa[4];
+      ldsm_x4(qa, qrow + 16 * ks);
+#pragma unroll
+      for (int np = 0; np < nM; ++np) {
+        if (np > mi) break;
+        unsigned kb[4];
+        ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
+        mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
+        mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
+      }
+      if (inter) {
+        if constexpr (NTW >= 2) {
+#pragma unroll
+          for (int np = 0; np < NTW / 2; ++np) {
+            unsigned sb[4];
+            ldsm_x4_t(sb, srow + 16 * ks * ldv + 16 * np);
+            mma16816<T>(O[2 * np], qa, sb[0], sb[1]);
+            mma16816<T>(O[2 * np + 1], qa, sb[2], sb[3]);
+          }
+        } else {
+          unsigned sb[2];
+          ldsm_x2_t(sb, srow + 16 * ks * ldv);
+          mma16816<T>(O[0], qa, sb[0], sb[1]);
+        }
+      }
+    }
+    // The decay mask of A (causal; e^{G_i - G_j} within a segment) and the incoming state's
+    // row factors e^{G_i}.
+    const int i_lo = 16 * mi + r4, i_hi = i_lo + 8;
+    if constexpr (GATED) {
+      const float Gi[2] = {sG[i_lo], sG[i_hi]};
+      const int segi[2] = {sSeg[i_lo], sSeg[i_hi]};
+      const float fi[2] = {sFi[i_lo], sFi[i_hi]};
+#pragma unroll
+      for (int t = 0; t < NTW; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) O[t][i] = fi[i >> 1] == 0.f ? 0.f : O[t][i] * fi[i >> 1];
+#pragma unroll
+      for (int t = 0; t < 2 * nM; ++t) {
+        if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * t + c4 + e;
+          const float Gj = sG[j];
+          const int segj = sSeg[j];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = hh ? i_hi : i_lo;
+            const float m = segi[hh] == segj ? exp2f(Gi[hh] - Gj) : 0.f;
+            const float a = A[t][2 * hh + e];
+            A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < 2 * nM; ++t) {
+        if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (8 * t + c4 + (i & 1) > (i < 2 ? i_lo : i_hi)) A[t][i] = 0.f;
+      }
+    }
+    // O += A V (A's accumulators as the A operand, 16 tokens a step).
+    const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+#pragma unroll
+    for (int kt = 0; kt < nM; ++kt) {
+      if (kt > mi) break;
+      const unsigned aa[4] = {pack2<T>(A[2 * kt][0], A[2 * kt][1]), pack2<T>(A[2 * kt][2], A[2 * kt][3]),
+                              pack2<T>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
+                              pack2<T>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
+      if constexpr (NTW >= 2) {
+#pragma unroll
+        for (int np = 0; np < NTW / 2; ++np) {
+          unsigned vb4[4];
+          ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
+          mma16816<T>(O[2 * np], aa, vb4[0], vb4[1]);
+          mma16816<T>(O[2 * np + 1], aa, vb4[2], vb4[3]);
+        }
+      } else {
+        unsigned vb2[2];
+        ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
+        mma16816<T>(O[0], aa, vb2[0], vb2[1]);
+      }
+    }
+    // The chunk's outputs (rows < cl, columns < w).
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = hh ? i_hi : i_lo;
+      if (i >= cl) continue;
+      T* row = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(i0 + i) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
+#pragma unroll
+      for (int t = 0; t < NTW; ++t) {
+        const int b = nbase + 8 * t + c4;
+        const float x0 = scale * O[t][2 * hh], x1 = scale * O[t][2 * hh + 1];
+        if (P.out_pairs && b + 1 < w) {
+          *reinterpret_cast<unsigned*>(row + b) = pack2<T>(x0, x1);
+        } else {
+          if (b < w) row[b] = from_acc<T>(x0);
+          if (b + 1 < w) row[b + 1] = from_acc<T>(x1);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace recattn::cuda

@@ -438,12 +438,12 @@ struct chunked_backend {
           default: launch(chunked_forward_kernel<T, C, 64, gated, MS>); break;
         }
       };
-      // State row tiles a warp: one up to K = 128 (8 warps of 16 rows), two beyond.
+      // State row tiles a state warp: one up to K = 128 (8 warps of 16 rows), two beyond.
       auto by_chunk = [&](auto ms) {
         if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>(), ms);
         else by_bv(std::integral_constant<int, 64>(), ms);
       };
-      if (P.L.Kp <= 16 * chunked_warps) by_chunk(std::integral_constant<int, 1>());
+      if (P.L.Kp <= 16 * (chunked_warps - chunked_out_warps)) by_chunk(std::integral_constant<int, 1>());
       else by_chunk(std::integral_constant<int, 2>());
     }
   }
