@@ -48,16 +48,21 @@ struct cfg {
   /// that sets block_v, chunk, block_k or num_warps is read as a recurrent cfg (the meaning
   /// those fields had before this field existed).
   algorithm algo = algorithm::automatic;
+  /// CUDA chunked: splits of each sequence run in parallel (a pass for the state entering each
+  /// split, then the outputs of every split at once), for few long sequences; 0: the
+  /// backend's choice, 1: none. Dense inputs only (with cu_seqlens: 0 or 1).
+  int splits = 0;
 
   friend bool operator==(const cfg& a, const cfg& b) {
     return a.threads == b.threads && a.block_v == b.block_v && a.chunk == b.chunk && a.block_k == b.block_k &&
-           a.num_warps == b.num_warps && a.algo == b.algo;
+           a.num_warps == b.num_warps && a.algo == b.algo && a.splits == b.splits;
   }
   friend bool operator!=(const cfg& a, const cfg& b) { return !(a == b); }
   std::string str() const {
     return "threads=" + std::to_string(threads) + " block_v=" + std::to_string(block_v) +
            " chunk=" + std::to_string(chunk) + " block_k=" + std::to_string(block_k) +
-           " num_warps=" + std::to_string(num_warps) + " algo=" + algorithm_name(algo);
+           " num_warps=" + std::to_string(num_warps) + " algo=" + algorithm_name(algo) +
+           (splits ? " splits=" + std::to_string(splits) : std::string());
   }
 };
 

@@ -15,11 +15,12 @@
 
 namespace recattn_test {
 
-inline recattn::cfg algo_cfg(recattn::algorithm a, int chunk = 0, int block_v = 0) {
+inline recattn::cfg algo_cfg(recattn::algorithm a, int chunk = 0, int block_v = 0, int splits = 0) {
   recattn::cfg c;
   c.algo = a;
   c.chunk = chunk;
   c.block_v = block_v;
+  c.splits = splits;
   return c;
 }
 
@@ -42,10 +43,10 @@ struct agreement {
 };
 
 /// Runs s (its cfg replaced) with the chunked and with the recurrent kernel.
-inline agreement run_both(const spec& s, int chunk, int block_v) {
+inline agreement run_both(const spec& s, int chunk, int block_v, int splits) {
   agreement r;
   spec sc = s;
-  sc.cfg = algo_cfg(recattn::algorithm::chunked, chunk, block_v);
+  sc.cfg = algo_cfg(recattn::algorithm::chunked, chunk, block_v, splits);
   instance a(sc);
   r.vs_ref = a.check();  // downloads a's output and state
   spec sr = s;
@@ -59,9 +60,9 @@ inline agreement run_both(const spec& s, int chunk, int block_v) {
 }
 
 /// The chunked result within SPEC §6 of the reference and of the recurrent kernel.
-inline void require_agreement(const spec& s, int chunk = 0, int block_v = 0) {
-  INFO(s.str() << " chunk=" << chunk << " block_v=" << block_v);
-  const agreement r = run_both(s, chunk, block_v);
+inline void require_agreement(const spec& s, int chunk = 0, int block_v = 0, int splits = 0) {
+  INFO(s.str() << " chunk=" << chunk << " block_v=" << block_v << " splits=" << splits);
+  const agreement r = run_both(s, chunk, block_v, splits);
   INFO("chunked vs reference: output " << r.vs_ref.output << ", state " << r.vs_ref.state
                                        << "; chunked vs recurrent: output " << r.out_vs_rec << ", state "
                                        << r.state_vs_rec << "; recurrent vs reference: output " << r.rec_vs_ref);

@@ -145,6 +145,85 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
     }
 }
 
+TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs in parallel)", "[cuda][chunked]") {
+  // T = 1000: splits of a multiple of 64 tokens; 2, 3 and 7 splits (the last one short), and
+  // more splits asked than there are 64-token units. Every phase-1 gate set, both directions,
+  // both chunk lengths, with and without an initial state, [K,V] and [V,K], bf16 and half.
+  std::uint64_t seed = 900;
+  for (dtype t : mma_types)
+    for (unsigned gates : phase1_gates)
+      for (int splits : {2, 3, 7, 40}) {
+        spec s;
+        s.type = t;
+        s.gate_type = (seed & 1) ? t : dtype::float32;
+        s.gates = gates;
+        s.reverse = (seed & 2) != 0;
+        s.initial_state = (seed & 4) != 0;
+        s.layout = (seed & 8) ? recattn::state_layout::vk : recattn::state_layout::kv;
+        s.gamma_per_seq = (seed & 16) != 0;
+        s.B = 2;
+        s.T = 1000;
+        s.Hq = s.Hk = s.Hv = 2;
+        s.K = 72;
+        s.V = 40;
+        s.seed = seed++;
+        require_agreement(s, (seed & 1) ? 32 : 64, 0, splits);
+      }
+  // Strong and zero decays across split boundaries, K > 128 (two state tiles a warp), and the
+  // final state written over the initial one.
+  const std::pair<double, double> ranges[] = {{-20.0, -5.0}, {-1.0, 0.5}, {-3.0, 0.0}};
+  for (const auto& r : ranges)
+    for (int every : {0, 64, 37}) {
+      spec s;
+      s.type = dtype::bfloat16;
+      s.gate_type = dtype::float32;
+      s.gates = recattn::gate_g;
+      s.scalar_range = r;
+      s.neg_inf_every = every;
+      s.B = 1;
+      s.T = 777;
+      s.Hq = s.Hk = s.Hv = 2;
+      s.K = 160;
+      s.V = 64;
+      s.initial_state = true;
+      s.alias_state = every == 37;
+      s.reverse = every == 64;
+      s.seed = seed++;
+      require_agreement(s, 64, 0, 4);
+    }
+  // The heuristic splits few long sequences (B1 H2: blocks fill a fraction of the SMs) and
+  // not many short ones.
+  spec s;
+  s.type = dtype::bfloat16;
+  s.gates = recattn::gate_g;
+  s.B = 1;
+  s.T = 8192;
+  s.Hq = s.Hk = s.Hv = 2;
+  s.K = s.V = 128;
+  instance few(s);
+  const recattn::cfg c = recattn::cuda::resolve_cfg(problem_of(few), std::nullopt);
+  CHECK(c.algo == algorithm::chunked);
+  CHECK(c.splits > 1);
+  s.seed = seed++;
+  require_agreement(s);  // the heuristic's cfg, splits included
+  spec sv = s;
+  sv.B = 1;
+  sv.T = 3000;
+  sv.cu = {0, 1000, 1000, 3000};
+  instance varlen(sv);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(varlen), std::nullopt).splits == 1);
+  expect_chunked_rejected([&] {
+    spec x = sv;
+    x.cfg = algo_cfg(algorithm::chunked, 0, 0, 2);
+    return x;
+  }(), "cfg.splits");
+  expect_chunked_rejected([&] {
+    spec x = s;
+    x.cfg = algo_cfg(algorithm::recurrent, 0, 0, 3);
+    return x;
+  }(), "cfg.splits");
+}
+
 TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked][long]") {
   std::uint64_t seed = 600;
   for (unsigned gates : {0u, unsigned(recattn::gate_g)}) {

@@ -78,8 +78,9 @@ struct chunked_layout {
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
-/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64).
-inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C) {
+/// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
+/// `local`: the split-state pass (no q rows, no S~, 8 warps).
+inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
@@ -87,15 +88,15 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C) {
   // 16 bytes of pad a row: ldmatrix's eight 16-byte rows then fall in distinct bank groups.
   L.ldk = L.Kp + 8;
   L.ldv = BV + 8;
-  L.off_k = unsigned(C * L.ldk * 2);
-  L.off_v = unsigned(2 * C * L.ldk * 2);
+  L.off_k = local ? 0u : unsigned(C * L.ldk * 2);
+  L.off_v = L.off_k + unsigned(C * L.ldk * 2);
   L.stage = unsigned(align128(std::size_t(L.off_v) + std::size_t(C) * L.ldv * 2));
   L.off_raw = 0;
-  L.st_bytes = unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
+  L.st_bytes = local ? 0u : unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
   L.scan_bytes = unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
   L.off_scan = L.off_st + 2 * L.st_bytes;
-  L.bytes = std::size_t(L.off_scan) + std::size_t(chunked_warps) * L.scan_bytes;
+  L.bytes = std::size_t(L.off_scan) + std::size_t(local ? chunked_warps - chunked_out_warps : chunked_warps) * L.scan_bytes;
   return L;
 }
 
@@ -187,19 +188,33 @@ struct chunked_params {
   forward_params f;
   detail::chunked_layout L;
   bool out_pairs = false;  ///< output rows 4-byte aligned: pairs of columns stored at once
+  std::int64_t N = 0;      ///< sequences
+  /// Sequence splits (dense inputs): split s of a sequence is its tokens [s * split_tokens,
+  /// (s + 1) * split_tokens) in processing order, nsplit of them (1: the whole sequence).
+  int nsplit = 1;
+  std::int64_t split_tokens = 0;  ///< a multiple of 64
+  /// [N][H][nsplit][K x V, in the state layout]: the split-state pass writes split s's own
+  /// final state (from a zero state) at slot s + 1; chunked_combine_kernel turns slot s into
+  /// the state entering split s (slot 0: the initial state), which the output pass reads.
+  float* split_state = nullptr;
+  float* split_decay = nullptr;  ///< [N][H][nsplit - 1]: each split's total decay factor (0 across a zero decay)
 };
 
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
 /// or 64 columns), whether a scalar decay is present and state row tiles a warp (MS):
-/// direction, varlen and state layout are uniform run-time values.
-template <class T, int C, int BV, bool GATED, int MS>
-__global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward_kernel(const chunked_params P) {
+/// direction, varlen and state layout are uniform run-time values. LOCAL: the split-state
+/// pass (state warps only, each split but the last from a zero state, its final state and
+/// total decay into P.split_state and P.split_decay; no outputs).
+template <class T, int C, int BV, bool GATED, int MS, bool LOCAL = false>
+__global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::chunked_out_warps) : 32 * detail::chunked_warps,
+                                  LOCAL ? 2 : 1) chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
-  constexpr int NW = chunked_warps;
-  constexpr int NWO = chunked_out_warps;              // output warps; the rest hold the state
+  constexpr int NWO = LOCAL ? 0 : chunked_out_warps;  // output warps; the rest hold the state
+  constexpr int NW = chunked_warps - chunked_out_warps + NWO;
   constexpr int NB = BV / 8;                          // 8-column tiles of the block
   constexpr int nM = C / 16;                          // 16-token row tiles of a chunk
-  constexpr int WPM = NWO / nM < NB ? NWO / nM : NB;  // warps a row tile of output
+  constexpr int OW = LOCAL ? chunked_out_warps : NWO;  // (the output mapping; unused when LOCAL)
+  constexpr int WPM = OW / nM < NB ? OW / nM : NB;    // warps a row tile of output
   constexpr int NTW = NB / WPM;                       // their 8-column tiles
   constexpr int RPW = C / NW;                         // staged rows a warp
   constexpr int NWS = NW - NWO;                       // state warps
@@ -221,9 +236,13 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
   const bool kv_layout = p.kv_layout;
   const bool has_g = p.g != nullptr, has_gamma = p.g_gamma != nullptr;
 
+  // Block (n, h, split, value block), the value block fastest.
+  const int nsp = LOCAL ? P.nsplit - 1 : P.nsplit;
   const int vb = int(blockIdx.x % unsigned(p.nvb));
-  const int h = int((blockIdx.x / unsigned(p.nvb)) % unsigned(p.H));
-  const std::int64_t n = std::int64_t(blockIdx.x / unsigned(p.nvb) / unsigned(p.H));
+  const int sp = int((blockIdx.x / unsigned(p.nvb)) % unsigned(nsp));
+  const int h = int((blockIdx.x / unsigned(p.nvb) / unsigned(nsp)) % unsigned(p.H));
+  const std::int64_t n = std::int64_t(blockIdx.x / unsigned(p.nvb) / unsigned(nsp) / unsigned(p.H));
+  const std::int64_t nh = n * p.H + h;
   const int b0 = vb * BV;
   const int w = min(BV, p.V - b0);  // real columns of this block
 
@@ -254,7 +273,22 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
   float* sFc = reinterpret_cast<float*>(scan + 12 * C);
 
   const std::int64_t nchunks = (len + C - 1) / C;
-  const bool has_h0 = p.h0 != nullptr;
+  // This block's chunks [c_lo, c_hi): its split's (every chunk without splits).
+  const std::int64_t split_chunks = P.nsplit > 1 ? P.split_tokens / C : nchunks;
+  const std::int64_t c_lo = std::int64_t(sp) * split_chunks;
+  const std::int64_t c_hi = min(nchunks, c_lo + split_chunks);
+  const bool last_split = sp == P.nsplit - 1;
+  // The incoming state: the caller's without splits; with them slot sp of split_state (in the
+  // state layout; slot 0 a copy of the caller's, so that a final state written over the
+  // initial one cannot reach a split that starts late); none in the split-state pass.
+  const bool split = P.nsplit > 1;
+  const float* h0 = LOCAL                  ? nullptr
+                    : !split               ? static_cast<const float*>(p.h0)
+                    : sp == 0 && !p.h0     ? nullptr
+                                           : P.split_state + (nh * P.nsplit + sp) * std::int64_t(p.K) * p.V;
+  const std::int64_t h0_s0 = split ? 0 : p.h0_s0, h0_s1 = split ? 0 : p.h0_s1;
+  const std::int64_t h0_s2 = !split ? p.h0_s2 : kv_layout ? p.V : p.K;
+  const bool has_h0 = h0 != nullptr;
   // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
   // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
   const int UK = Kp / 8;
@@ -270,7 +304,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
       const bool real = l < cl;
       if (lane < UK) {
         const int valid = real ? min(8, p.K - e0) : 0;
-        stage_unit(s + (l * ldk + e0) * 2, p.q, q_base + t * p.q.s1 + e0, valid);
+        if (!LOCAL) stage_unit(s + (l * ldk + e0) * 2, p.q, q_base + t * p.q.s1 + e0, valid);
         stage_unit(s + L.off_k + (l * ldk + e0) * 2, p.k, k_base + t * p.k.s1 + e0, valid);
       }
       if (lane < NB) stage_unit(s + L.off_v + (l * ldv + e0) * 2, p.v, v_base + t * p.v.s1 + e0, real ? min(8, w - e0) : 0);
@@ -298,11 +332,11 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
     float gnext[TPL];
 #pragma unroll
     for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
-    if (nchunks > 0) {
-      issue_stage(0);
-      if (GATED) load_g(0, gnext);
+    if (c_lo < c_hi) {
+      issue_stage(c_lo);
+      if (GATED) load_g(c_lo, gnext);
     }
-    for (std::int64_t c = 0; c < nchunks; ++c) {
+    for (std::int64_t c = c_lo; c < c_hi; ++c) {
       const int buf = int(c & 1);
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
@@ -311,13 +345,14 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
       for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
       cp_async_wait<0>();
       block_sync();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
-      if (c + 1 < nchunks) {
+      if (c + 1 < c_hi) {
         issue_stage(c + 1);
         if (GATED) load_g(c + 1, gnext);
       }
       // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
       // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
       float GC2 = 0.f;
+      double GC = 0.0;
       int segC = 0;
       if constexpr (GATED) {
         double y[TPL];
@@ -348,7 +383,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
           G = 0.0;
           seg = 0;
         }
-        const double GC = __shfl_sync(0xffffffffu, s, 31);
+        GC = __shfl_sync(0xffffffffu, s, 31);
         segC = __shfl_sync(0xffffffffu, sc, 31);
         GC2 = float(GC) * kLog2e;
 #pragma unroll
@@ -366,7 +401,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
       const unsigned char* stg = stage_ptr(buf);
       work(c, buf, i0, cl, reinterpret_cast<const std::uint16_t*>(stg),
            reinterpret_cast<const std::uint16_t*>(stg + L.off_k), reinterpret_cast<const std::uint16_t*>(stg + L.off_v),
-           GC2, segC);
+           GC2, GC, segC);
     }
   };
 
@@ -385,9 +420,9 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
           const int a = 16 * (sw + NWS * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
           float x = 0.f;
           if (has_h0 && a < p.K && b < w) {
-            const std::int64_t off = kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + (b0 + b)
-                                               : n * p.h0_s0 + h * p.h0_s1 + (b0 + b) * p.h0_s2 + a;
-            x = static_cast<const float*>(p.h0)[off];
+            const std::int64_t off = kv_layout ? n * h0_s0 + h * h0_s1 + a * h0_s2 + (b0 + b)
+                                               : n * h0_s0 + h * h0_s1 + (b0 + b) * h0_s2 + a;
+            x = h0[off];
           }
           S[ms][nt][i] = x;
         }
@@ -405,9 +440,15 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
         }
       }
     };
-    if (has_h0) write_st(st_ptr(0));
+    if (!LOCAL && has_h0) write_st(st_ptr(c_lo & 1));
+    double split_G = 0.0;  // the split's total log decay (LOCAL), and whether a decay was 0
+    bool split_zero = false;
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
-                   const std::uint16_t* sv, float GC2, int segC) {
+                   const std::uint16_t* sv, float GC2, double GC, int segC) {
+      if (LOCAL) {
+        split_G += GC;
+        split_zero = split_zero || segC != 0;
+      }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       if constexpr (GATED) {
         const float f = segC == 0 ? exp2f(GC2) : 0.f;
@@ -452,10 +493,25 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
           }
         }
       }
-      if (c + 1 < nchunks) write_st(st_ptr(buf ^ 1));
+      if (!LOCAL && c + 1 < c_hi) write_st(st_ptr(buf ^ 1));
     });
-    // The final state, from the registers.
-    if (p.ht) {
+    if constexpr (LOCAL) {
+      // The split's own final state into its slot; its total decay factor once.
+      float* dst = P.split_state + (nh * P.nsplit + sp + 1) * std::int64_t(p.K) * p.V;
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int a = 16 * (sw + NWS * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
+            if (a < p.K && b < w) dst[kv_layout ? std::int64_t(a) * p.V + (b0 + b) : std::int64_t(b0 + b) * p.K + a] = S[ms][nt][i];
+          }
+      if (vb == 0 && sw == 0 && lane == 0) P.split_decay[nh * (P.nsplit - 1) + sp] = split_zero ? 0.f : float(exp(split_G));
+      return;
+    }
+    // The final state, from the registers (the last split's).
+    if (p.ht && last_split) {
 #pragma unroll
       for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
@@ -473,13 +529,14 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
     return;
   }
 
+  if constexpr (!LOCAL) {
   // Output warps. Row tile: tile m costs m + 1 token tiles of A and of A V, so with 4 tiles of
   // 2 warps the warps that share a scheduler (w, w + 4) get tiles 0 + 3 or 1 + 2.
   const bool out_warp = warp < nM * WPM;
   const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
   const int nbase = (warp % WPM) * NTW * 8;  // first column of the warp's output
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
-                 const std::uint16_t* sv, float, int) {
+                 const std::uint16_t* sv, float, double, int) {
     if (!out_warp || 16 * mi >= cl) return;
     const std::uint16_t* st = st_ptr(buf);
     // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
@@ -492,7 +549,7 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
     for (int t = 0; t < NTW; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) O[t][i] = 0.f;
-    const bool inter = c > 0 || has_h0;
+    const bool inter = c > c_lo || has_h0;
     const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
     const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
     const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
@@ -602,6 +659,32 @@ __global__ void __launch_bounds__(32 * detail::chunked_warps, 1) chunked_forward
       }
     }
   });
+  }
+}
+
+/// Between the two passes of a split launch: slot 0 of P.split_state gets the initial state
+/// (or zeros), and slot s + 1 (split s's own final state L_s) becomes the state entering split
+/// s + 1, S_{s+1} = d_s S_s + L_s; one thread an element of a (sequence, head) state.
+__global__ void chunked_combine_kernel(const chunked_params P) {
+  const forward_params& p = P.f;
+  const std::int64_t KV = std::int64_t(p.K) * p.V, total = P.N * p.H * KV;
+  const int ns = P.nsplit;
+  for (std::int64_t idx = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t e = idx % KV, nh = idx / KV, n = nh / p.H, h = nh % p.H;
+    const std::int64_t a = p.kv_layout ? e / p.V : e % p.K, b = p.kv_layout ? e % p.V : e / p.K;
+    float acc = 0.f;
+    if (p.h0)
+      acc = static_cast<const float*>(p.h0)[p.kv_layout ? n * p.h0_s0 + h * p.h0_s1 + a * p.h0_s2 + b
+                                                          : n * p.h0_s0 + h * p.h0_s1 + b * p.h0_s2 + a];
+    float* slot = P.split_state + nh * ns * KV + e;
+    slot[0] = acc;
+    for (int s = 1; s < ns; ++s) {
+      const float f = P.split_decay[nh * (ns - 1) + s - 1];
+      acc = (f == 0.f ? 0.f : f * acc) + slot[s * KV];
+      slot[s * KV] = acc;
+    }
+  }
 }
 
 }  // namespace recattn::cuda

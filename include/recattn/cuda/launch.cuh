@@ -137,22 +137,44 @@ inline int chunked_block_v(const problem& p) {
   return bv;
 }
 
+/// Splits of each sequence (cfg.splits = 0): dense inputs whose blocks fill at most half the
+/// multiprocessors get as many splits as fill them (one block each), of at least 256 tokens.
+inline int chunked_splits(const problem& p, int bv) {
+  if (p.varlen) return 1;
+  const std::int64_t blocks = p.N * p.H * ((p.V + bv - 1) / bv), sms = sm_count();
+  if (blocks == 0 || 2 * blocks > sms) return 1;
+  const std::int64_t s = std::min(sms / blocks, p.T / 256);
+  return int(std::max<std::int64_t>(1, s));
+}
+
+/// Tokens of a split: a multiple of 64 (both chunk lengths), the fewest that cover T in
+/// `splits` parts; the launch runs ceil(T / split_tokens) splits.
+inline std::int64_t chunked_split_tokens(std::int64_t T, int splits) {
+  const std::int64_t units = (T + 63) / 64;
+  return (units + splits - 1) / splits * 64;
+}
+
 }  // namespace detail
 
-/// The chunked kernel's default: chunks of 64 tokens, 8 warps, detail::chunked_block_v value
-/// columns, shrunk (columns first, then the chunk) until the block fits in shared memory.
+/// The chunked kernel's default: chunks of 64 tokens, 16 warps; value columns: with splits
+/// (few long sequences, detail::chunked_splits) the fewest 16-column tiles that hold V up to
+/// 64, else detail::chunked_block_v; shrunk (columns first, then the chunk) until the block
+/// fits in shared memory.
 inline cfg chunked_heuristic_cfg(const problem& p) {
   detail::check_sizes(p);
   cfg c;
   c.algo = algorithm::chunked;
   c.num_warps = detail::chunked_warps;
   c.block_k = int((p.K + 15) / 16 * 16);
-  int bv = detail::chunked_block_v(p), chunk = 64;
+  const int widest = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
+  const int splits = detail::chunked_splits(p, widest);
+  int bv = splits > 1 ? widest : detail::chunked_block_v(p), chunk = 64;
   const std::size_t budget = detail::smem_budget();
   while (bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
   while (chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
   c.block_v = bv;
   c.chunk = chunk;
+  c.splits = splits > 1 ? detail::chunked_splits(p, bv) : 1;
   return c;
 }
 
@@ -178,8 +200,11 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
     fail("cfg.num_warps", cat("0 or ", detail::chunked_warps, " with algorithm chunked"), u.num_warps);
   if (u.block_k != 0 && u.block_k != Kp)
     fail("cfg.block_k", cat("0 or ", Kp, " with algorithm chunked (K rounded up to 16)"), u.block_k);
+  if (u.splits < 0) fail("cfg.splits", "a value >= 0", u.splits);
+  if (u.splits > 1 && p.varlen) fail("cfg.splits", "0 or 1 with cu_seqlens (splits take dense inputs)", u.splits);
   cfg c = u;
-  int bv = u.block_v ? u.block_v : detail::chunked_block_v(p);
+  const cfg h = chunked_heuristic_cfg(p);
+  int bv = u.block_v ? u.block_v : u.splits == 1 ? detail::chunked_block_v(p) : h.block_v;
   int chunk = u.chunk ? u.chunk : 64;
   const std::size_t budget = detail::smem_budget();
   while (!u.block_v && bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
@@ -197,6 +222,7 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
   c.chunk = chunk;
   c.num_warps = detail::chunked_warps;
   c.block_k = Kp;
+  c.splits = u.splits ? u.splits : bv == h.block_v ? h.splits : detail::chunked_splits(p, bv);
   return c;
 }
 
@@ -212,12 +238,22 @@ inline cfg resolve_cfg(const problem& p, const std::optional<cfg>& user) {
   if (user->algo == algorithm::chunked) return resolve_chunked_cfg(p, *user);
   if (user->algo == algorithm::automatic && !user->block_v && !user->chunk && !user->block_k && !user->num_warps) {
     cfg c = heuristic_cfg(p);
+    if (user->splits && c.algo == algorithm::chunked) {
+      cfg u = *user;
+      u.algo = algorithm::chunked;
+      c = resolve_chunked_cfg(p, u);
+    } else if (user->splits > 1) {
+      fail("cfg.splits", "0 or 1 where the recurrent kernel runs (splits are the chunked kernel's)", user->splits);
+    }
     c.threads = user->threads;
     return c;
   }
   const cfg h = recurrent_heuristic_cfg(p);
   cfg c = *user;
   c.algo = algorithm::recurrent;
+  if (c.splits < 0 || c.splits > 1)
+    fail("cfg.splits", "0 or 1 with the recurrent kernel (splits are the chunked kernel's)", c.splits);
+  c.splits = 0;
   if (c.block_v != 0 && c.block_v != 8 && c.block_v != 16 && c.block_v != 32 && c.block_v != 64)
     fail("cfg.block_v", "0, 8, 16, 32 or 64 on platform cuda (8 columns per warp)", c.block_v);
   if (c.num_warps != 0 && c.num_warps != 1 && c.num_warps != 2 && c.num_warps != 4 && c.num_warps != 8)
@@ -269,7 +305,10 @@ inline std::vector<cfg> candidate_cfgs(const problem& p) {
         cfg c = ch;
         c.chunk = chunk;
         c.block_v = bv;
-        if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+        for (int splits : {1, detail::chunked_splits(p, bv)}) {
+          c.splits = splits;
+          if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+        }
       }
   }
   return out;
@@ -414,37 +453,75 @@ struct chunked_backend {
     } else {
       const int bv = a.c.block_v;
       const int nvb = int((p.V + bv - 1) / bv);
-      const std::int64_t blocks = p.N * p.H * nvb;
-      if (blocks == 0) return;
+      if (p.N * p.H * nvb == 0) return;
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
       P.L = make_chunked_layout(p.K, bv, a.c.chunk);
+      P.N = p.N;
       const std::int64_t Bt = p.varlen ? 1 : p.B;
       P.out_pairs = row_align(p.out_data(), 2,
                               {Bt > 1 ? p.out.s0 * 2 : 0, p.T > 1 ? p.out.s1 * 2 : 0, p.H > 1 ? p.out.s2 * 2 : 0}) >= 4;
-      auto launch = [&](auto kernel) {
-        if (P.L.bytes > 48 * 1024)
-          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(P.L.bytes)),
+      // Splits (dense inputs): split_tokens a multiple of 64, ceil(T / split_tokens) splits.
+      if (!p.varlen && a.c.splits > 1 && p.T > 64) {
+        P.split_tokens = chunked_split_tokens(p.T, a.c.splits);
+        P.nsplit = int((p.T + P.split_tokens - 1) / P.split_tokens);
+      }
+      const std::int64_t blocks = p.N * p.H * nvb * P.nsplit;
+      // The split workspace: the state entering each split (slot 0: the initial state), then
+      // the splits' decay factors; stream-ordered, freed after the launches.
+      void* ws = nullptr;
+      if (P.nsplit > 1) {
+        const std::int64_t slots = p.N * p.H * P.nsplit;
+        const std::size_t state_bytes = std::size_t(slots * p.K * p.V) * sizeof(float);
+        check(cudaMallocAsync(&ws, state_bytes + std::size_t(p.N * p.H * (P.nsplit - 1)) * sizeof(float), a.stream),
+              "cudaMallocAsync(chunked split workspace)");
+        P.split_state = static_cast<float*>(ws);
+        P.split_decay = reinterpret_cast<float*>(static_cast<char*>(ws) + state_bytes);
+      }
+      auto launch = [&](auto kernel, const chunked_params& Q, std::int64_t nblocks, int warps) {
+        if (Q.L.bytes > 48 * 1024)
+          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Q.L.bytes)),
                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-        kernel<<<unsigned(blocks), unsigned(32 * chunked_warps), P.L.bytes, a.stream>>>(P);
+        kernel<<<unsigned(nblocks), unsigned(32 * warps), Q.L.bytes, a.stream>>>(Q);
         check(cudaGetLastError(), "chunked forward kernel launch");
       };
       constexpr bool gated = Policy::has_g || Policy::has_g_gamma;
-      auto by_bv = [&](auto chunk, auto ms) {
+      auto by_bv = [&](auto chunk, auto ms, auto local) {
         constexpr int C = decltype(chunk)::value, MS = decltype(ms)::value;
+        constexpr bool LOCAL = decltype(local)::value;
+        chunked_params Q = P;
+        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true);
+        const std::int64_t nb = LOCAL ? blocks / P.nsplit * (P.nsplit - 1) : blocks;
+        const int warps = LOCAL ? chunked_warps - chunked_out_warps : chunked_warps;
         switch (bv) {
-          case 16: launch(chunked_forward_kernel<T, C, 16, gated, MS>); break;
-          case 32: launch(chunked_forward_kernel<T, C, 32, gated, MS>); break;
-          default: launch(chunked_forward_kernel<T, C, 64, gated, MS>); break;
+          case 16: launch(chunked_forward_kernel<T, C, 16, gated, MS, LOCAL>, Q, nb, warps); break;
+          case 32: launch(chunked_forward_kernel<T, C, 32, gated, MS, LOCAL>, Q, nb, warps); break;
+          default: launch(chunked_forward_kernel<T, C, 64, gated, MS, LOCAL>, Q, nb, warps); break;
         }
       };
       // State row tiles a state warp: one up to K = 128 (8 warps of 16 rows), two beyond.
-      auto by_chunk = [&](auto ms) {
-        if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>(), ms);
-        else by_bv(std::integral_constant<int, 64>(), ms);
+      auto by_ms = [&](auto f) {
+        if (P.L.Kp <= 16 * (chunked_warps - chunked_out_warps)) f(std::integral_constant<int, 1>());
+        else f(std::integral_constant<int, 2>());
       };
-      if (P.L.Kp <= 16 * (chunked_warps - chunked_out_warps)) by_chunk(std::integral_constant<int, 1>());
-      else by_chunk(std::integral_constant<int, 2>());
+      try {
+        if (P.nsplit > 1) {
+          // Pass 1 (chunks of 64: split_tokens is a multiple of 64), the combine, then pass 2.
+          by_ms([&](auto ms) { by_bv(std::integral_constant<int, 64>(), ms, std::true_type()); });
+          const std::int64_t total = p.N * p.H * p.K * p.V;
+          const std::int64_t cb = std::min<std::int64_t>((total + 255) / 256, std::int64_t(sm_count()) * 8);
+          chunked_combine_kernel<<<unsigned(cb), 256, 0, a.stream>>>(P);
+          check(cudaGetLastError(), "chunked combine kernel launch");
+        }
+        by_ms([&](auto ms) {
+          if (a.c.chunk == 32) by_bv(std::integral_constant<int, 32>(), ms, std::false_type());
+          else by_bv(std::integral_constant<int, 64>(), ms, std::false_type());
+        });
+      } catch (...) {
+        if (ws) (void)cudaFreeAsync(ws, a.stream);
+        throw;
+      }
+      if (ws) check(cudaFreeAsync(ws, a.stream), "cudaFreeAsync(chunked split workspace)");
     }
   }
 };
