@@ -1,26 +1,29 @@
 // The chunked CUDA forward (issue 8): tensor-core products over chunks of C tokens, for
 // bfloat16 and half inputs and the scalar gates g and g_gamma.
 //
-// A thread block (8 warps) owns one (sequence n, head h, block of BV value columns) and walks
-// the sequence's chunks in processing order. With G_i the cumulative log decay from the
+// A thread block of 16 warps owns one (sequence n, head h, block of BV value columns) and
+// walks the sequence's chunks in processing order. With G_i the cumulative log decay from the
 // chunk's first token to token i (inclusive) and G_C its value at the chunk's last token,
 // SPEC §1's recurrence (S_t = d_t S_{t-1} + k_t^T v_t, o_t = scale q_t S_t) unrolled over a
 // chunk is
 //   o_i = scale * ( e^{G_i} q_i S  +  sum_{j<=i} e^{G_i - G_j} (q_i . k_j) v_j )
 //   S  <- e^{G_C} S + sum_j e^{G_C - G_j} k_j^T v_j
 // Products are mma.sync m16n8k16 (16-bit operands from ldmatrix, float accumulators), and
-// every accumulator stays in registers:
-//   - the state block S [Kp x BV] (Kp = K rounded up to 16) in float, spread over the warps
-//     by 16-row tiles (warp w holds row tile w, and w + 8 when K > 128: MS tiles, a
-//     compile-time count, so that K <= 128 keeps no idle registers), every column; each chunk it is
-//     also written to shared memory rounded to the input dtype (S~, the operand of Q S~);
-//   - output tiles: the chunk's C x BV outputs as (C / 16) row tiles, each split over WPM
+// every accumulator stays in registers. The warps have two roles, each in its own loop (so
+// each keeps only its own registers live; a named barrier a chunk joins them):
+//   - 8 state warps hold the state block S [Kp x BV] (Kp = K rounded up to 16) in float by
+//     16-row tiles (state warp w: row tile w, and w + 8 when K > 128: MS tiles, a
+//     compile-time count), every column. Each chunk: S *= e^{G_C}, then S += K~^T V with K~
+//     the k rows scaled by e^{G_C - G_j} (in the ldmatrix'd operand registers, rounded to the
+//     input dtype); then S rounded to the input dtype into shared memory (S~, the operand of
+//     the next chunk's Q S~).
+//   - 8 output warps: the chunk's C x BV outputs as (C / 16) row tiles, each split over WPM
 //     warps by columns (NTW 8-column tiles a warp). The warp of row tile m forms
 //     A = Q_m K^T over tokens 0 .. 16 m + 15 in registers, masks it with e^{G_i - G_j}
 //     (j <= i), and feeds the accumulators straight back as the A operand of A V (the
 //     flash-attention register trick); O = e^{G_i} Q_m S~ + A V.
-//   - S update: K~^T V with K~ = the k rows scaled by e^{G_C - G_j} (in the ldmatrix'd
-//     operand registers, rounded to the input dtype), after S *= e^{G_C}.
+// Splitting the roles (against 8 warps doing both) doubled the warps a scheduler can pick
+// from and took B4 T4096 H16 from 0.53 to 0.47 ms with g on an H100 (bench/README.md).
 // q, k, v of chunk c + 1 are copied into the other of two raw stages by cp.async while chunk
 // c is computed (zero-filled past the sequence end and past K or BV), S~ is double buffered,
 // so one barrier a chunk orders everything; the scalar gates of chunk c + 1 are loaded into
@@ -29,6 +32,14 @@
 // The kernel is compiled per chunk length (32, 64), value block (16, 32, 64), whether a
 // scalar decay is present (without one: no scan, no factors, only the causal mask) and state
 // row tiles a warp (MS: 1 up to K = 128, 2 up to 256).
+//
+// Splits (cfg.splits, dense inputs): when few sequences and heads leave most multiprocessors
+// idle, each sequence is cut into splits of a multiple of 64 tokens and run in three launches:
+// the split-state pass (LOCAL: state warps only, each split but the last from a zero state,
+// its final state and total decay factor into a workspace), chunked_combine_kernel (the state
+// entering each split: S_{s+1} = d_s S_s + L_s, a short scan over the splits), then the
+// kernel above on every split at once from its entering state. B1 T16384 H8: see
+// bench/README.md.
 //
 // A decay of exactly 0 (log decay -inf, or below -1e4, where exp is 0 in float and double)
 // never forms e^{-inf - (-inf)}: the scan counts such tokens (a segment index), and a factor
