@@ -6,8 +6,8 @@
 //   cuda_forward/<algo>/<gate>/<dtype>/B:../T:../H:../K:../V:..       dense
 //   cuda_forward/<algo>/<gate>/<dtype>/varlen:N/T:../H:../K:../V:..   N sequences, T tokens in all
 //   --tune: instead, every candidate cfg of each case (cuda_forward_tune/...)
-// <algo> is the kernel the cfg forces (cfg.algo): recurrent (issue 5) or chunked (issue 8,
-// phase 1: gates none, g, g_gamma). The label is the resolved cfg.
+// <algo> is the kernel the cfg forces (cfg.algo): recurrent (issue 5) or chunked (issue 8:
+// gates none, g, g_gamma, gk). The label is the resolved cfg.
 //
 // Counters: ms per call, tok_heads_per_s (tokens x heads per second), GB/s (the bytes a call
 // must move through HBM: q, k, v and gates read, o written, initial state read, final state
@@ -169,8 +169,8 @@ std::string case_name(const bench_case& c) {
 }
 
 const std::vector<bench_case>& cases() {
-  // Issue 5's rows (recurrent), then issue 8's shapes for the chunked kernel with the gates
-  // it takes (none, g, g_gamma; gk rows are phase 2) and the recurrent kernel beside them.
+  // Issue 5's rows (recurrent), then issue 8's shapes for the chunked kernel (the gk rows of
+  // its table, and the same shapes with g) and the recurrent kernel beside them.
   static const std::vector<bench_case> all = [] {
     std::vector<bench_case> v = {
         {"none", 4, 4096, 16, 128, 128},     {"g", 4, 4096, 16, 128, 128},  {"g_gamma", 4, 4096, 16, 128, 128},
@@ -180,15 +180,17 @@ const std::vector<bench_case>& cases() {
     const bench_case shapes[] = {{"g", 8, 2048, 32, 64, 64}, {"g", 1, 16384, 8, 128, 128},
                                  {"g", 1, 16384, 16, 128, 128, 8, true}};
     for (const bench_case& c : shapes) v.push_back(c);  // recurrent, for the side-by-side
-    for (const char* g : {"none", "g", "g_gamma"}) {
+    for (const char* g : {"none", "g", "g_gamma", "gk"}) {
       bench_case c{g, 4, 4096, 16, 128, 128};
       c.algo = recattn::algorithm::chunked;
       v.push_back(c);
     }
-    for (bench_case c : shapes) {
-      c.algo = recattn::algorithm::chunked;
-      v.push_back(c);
-    }
+    for (const char* g : {"g", "gk"})
+      for (bench_case c : shapes) {
+        c.gate = g;
+        c.algo = recattn::algorithm::chunked;
+        v.push_back(c);
+      }
     return v;
   }();
   return all;

@@ -25,7 +25,7 @@ enum class state_layout { kv, vk };
 
 /// How the CUDA forward computes: the token-by-token scan (`recurrent`, every backend) or
 /// chunks of cfg.chunk tokens on tensor cores (`chunked`, CUDA; bfloat16 and half inputs,
-/// gates g and g_gamma in this version). `automatic` lets the backend choose.
+/// gates g, g_gamma and gk in this version). `automatic` lets the backend choose.
 enum class algorithm { automatic, recurrent, chunked };
 
 inline const char* algorithm_name(algorithm a) {

@@ -103,6 +103,9 @@ struct spec {
   /// mixed or positive), and `neg_inf_every` > 0 puts -inf into every that-many-th g.
   std::optional<std::pair<double, double>> scalar_range;
   int neg_inf_every = 0;
+  /// The same for gk: drawn from [first, second], -inf at every that-many-th element.
+  std::optional<std::pair<double, double>> gk_range;
+  int gk_neg_inf_every = 0;
   std::optional<double> scale;
   std::optional<recattn::cfg> cfg;
   void* stream = nullptr;
@@ -114,6 +117,13 @@ struct spec {
                                 K, " V", V, reverse ? " reverse" : "", cu.empty() ? "" : " varlen",
                                 initial_state ? " h0" : "", alias_state ? " aliased" : "",
                                 layout == recattn::state_layout::vk ? " vk" : "", pad ? " padded" : "",
+                                scalar_range ? recattn::detail::cat(" g in [", scalar_range->first, ", ", scalar_range->second, "]")
+                                             : std::string(),
+                                gk_range ? recattn::detail::cat(" gk in [", gk_range->first, ", ", gk_range->second, "]")
+                                         : std::string(),
+                                neg_inf_every || gk_neg_inf_every
+                                    ? recattn::detail::cat(" -inf every ", neg_inf_every, "/", gk_neg_inf_every)
+                                    : std::string(),
                                 cfg ? " cfg=" + cfg->str() : std::string());
   }
 };
@@ -168,7 +178,8 @@ struct instance {
     }
     if (s.gates & recattn::gate_gk) {
       gk = mirrored(s.gate_type, {s.B, s.T, H, s.K}, s.pad);
-      fill(gk, logsig(0.5, 5.0));
+      if (s.gk_range) fill(gk, ranged(s.gk_range->first, s.gk_range->second, s.gk_neg_inf_every));
+      else fill(gk, logsig(0.5, 5.0));
     }
     if (s.gates & recattn::gate_gv) {
       gv = mirrored(s.gate_type, {s.B, s.T, H, s.V}, s.pad);

@@ -1,9 +1,10 @@
-// The chunked CUDA forward (issue 8, phase 1) on dense inputs: every phase-1 gate combination
-// (none, g, g_gamma, both) x both directions x bfloat16 and half; K and V of odd sizes up to
-// 256; T shorter than a chunk, not a multiple of it, T = 1; strong, underflowing (-inf) and
-// positive decays; T = 65536; every chunked candidate cfg; the dispatcher's choice; and the
-// rejection of what the chunked kernel does not take (gk, gv, float, double). Each case is
-// compared with the CPU double reference and with the recurrent CUDA kernel.
+// The chunked CUDA forward (issue 8) on dense inputs: every gate combination without gv (none,
+// g, g_gamma, gk and their unions) x both directions x bfloat16 and half; K and V of odd sizes
+// up to 256; T shorter than a chunk, not a multiple of it, T = 1; strong, underflowing (-inf)
+// and positive decays, scalar and per channel; T = 65536; sequence splits; every chunked
+// candidate cfg; the dispatcher's choice; and the rejection of what the chunked kernel does
+// not take (gv, float, double). Each case is compared with the CPU double reference and with
+// the recurrent CUDA kernel.
 // Varlen, grouped heads and the [V,K] state are in test_cuda_chunked_layouts.cu.
 #include <catch2/catch.hpp>
 
@@ -25,8 +26,9 @@ using recattn_test::spec;
 namespace {
 
 const dtype mma_types[] = {dtype::bfloat16, dtype::float16};
-const unsigned phase1_gates[] = {0u, unsigned(recattn::gate_g), unsigned(recattn::gate_g_gamma),
-                                 unsigned(recattn::gate_g | recattn::gate_g_gamma)};
+constexpr unsigned g_ = recattn::gate_g, gg_ = recattn::gate_g_gamma, gk_ = recattn::gate_gk;
+/// Every gate combination the chunked kernel takes (all without gv).
+const unsigned chunked_gates[] = {0u, g_, gg_, g_ | gg_, gk_, g_ | gk_, gg_ | gk_, g_ | gg_ | gk_};
 
 recattn::problem problem_of(instance& in) {
   recattn::forward_outputs outs{in.out.dev_mview(), std::nullopt};
@@ -36,10 +38,10 @@ recattn::problem problem_of(instance& in) {
 
 }  // namespace
 
-TEST_CASE("cuda chunked: every phase-1 gate combination, both directions, bf16 and half", "[cuda][chunked]") {
+TEST_CASE("cuda chunked: every gate combination without gv, both directions, bf16 and half", "[cuda][chunked]") {
   std::uint64_t seed = 10;
   for (dtype t : mma_types)
-    for (unsigned gates : phase1_gates)
+    for (unsigned gates : chunked_gates)
       for (bool reverse : {false, true})
         for (int chunk : {32, 64}) {
           spec s;
@@ -68,7 +70,8 @@ TEST_CASE("cuda chunked: K and V of odd sizes up to 256, short sequences", "[cud
         spec s;
         s.type = t;
         s.gate_type = t;
-        s.gates = (seed % 4 == 0) ? 0u : unsigned(recattn::gate_g | recattn::gate_g_gamma);
+        const unsigned by_seed[] = {0u, g_ | gg_, gk_, g_ | gk_};
+        s.gates = by_seed[seed % 4];
         s.reverse = (seed & 1) != 0;
         s.B = 1;
         s.T = T;
@@ -78,7 +81,8 @@ TEST_CASE("cuda chunked: K and V of odd sizes up to 256, short sequences", "[cud
         s.initial_state = true;
         s.pad = (seed % 3 == 0) ? 3 : 0;  // strided rows (odd pitch: plain loads)
         s.seed = seed++;
-        require_agreement(s, seed % 2 ? 64 : 32, 0);
+        const bool gk_wide = (s.gates & gk_) && s.K > 128;  // gk with K > 128: chunks of 32
+        require_agreement(s, seed % 2 && !gk_wide ? 64 : 32, 0);
       }
   // Rows 8-byte aligned (padded to 40 and 48 elements) whose sizes are not multiples of 4:
   // the staging's 4-element loads end in a partial group.
@@ -143,15 +147,58 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
       s.seed = seed++;
       require_agreement(s, every == 64 ? 64 : 32);
     }
+  // Per-channel decays (gk, alone and with g): strong ones (every diagonal tile takes the
+  // elementwise fallback), mixed, weak, growing (bfloat16), very strong with growth.
+  const std::pair<double, double> gk_ranges[] = {{-20.0, -5.0}, {-6.0, 0.0}, {-3.0, -1.0},
+                                                 {-0.2, 0.0},   {-1.0, 0.8}, {-40.0, 0.5}};
+  for (dtype t : mma_types)
+    for (unsigned gates : {gk_, g_ | gk_, g_ | gg_ | gk_})
+      for (const auto& r : gk_ranges) {
+        if (t == dtype::float16 && r.second > 0.0) continue;  // (growth past half's range, as above)
+        spec s;
+        s.type = t;
+        s.gate_type = (seed & 8) ? t : dtype::float32;
+        s.gates = gates;
+        s.gk_range = r;
+        if (gates & g_) s.scalar_range = std::make_pair(-1.0, 0.0);
+        s.B = 2;
+        s.T = 200;
+        s.Hq = s.Hk = s.Hv = 2;
+        s.K = 40;
+        s.V = 24;
+        s.reverse = (seed & 1) != 0;
+        s.initial_state = true;
+        s.gamma_per_seq = (seed & 2) != 0;
+        s.seed = seed++;
+        require_agreement(s, (seed & 4) ? 32 : 64);
+      }
+  // gk of exactly 0 decay (-inf) in scattered channels and tokens (every n-th element), and
+  // everywhere (each token starts afresh); K > 128 (two state row tiles a warp, chunks of 32).
+  for (dtype t : mma_types)
+    for (int every : {1, 7, 37, 64}) {
+      spec s;
+      s.type = t;
+      s.gate_type = t;
+      s.gates = gk_;
+      s.gk_range = std::make_pair(-2.0, 0.0);
+      s.gk_neg_inf_every = every;
+      s.T = 300;
+      s.K = every == 7 ? 144 : 40;
+      s.V = 40;
+      s.initial_state = true;
+      s.reverse = every == 37;
+      s.seed = seed++;
+      require_agreement(s, every == 64 ? 64 : 32);
+    }
 }
 
 TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs in parallel)", "[cuda][chunked]") {
   // T = 1000: splits of a multiple of 64 tokens; 2, 3 and 7 splits (the last one short), and
-  // more splits asked than there are 64-token units. Every phase-1 gate set, both directions,
+  // more splits asked than there are 64-token units. Every gate set without gv, both directions,
   // both chunk lengths, with and without an initial state, [K,V] and [V,K], bf16 and half.
   std::uint64_t seed = 900;
   for (dtype t : mma_types)
-    for (unsigned gates : phase1_gates)
+    for (unsigned gates : chunked_gates)
       for (int splits : {2, 3, 7, 40}) {
         spec s;
         s.type = t;
@@ -191,6 +238,26 @@ TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs
       s.seed = seed++;
       require_agreement(s, 64, 0, 4);
     }
+  // gk across split boundaries (a decay factor per key channel), K = 72 and K = 160.
+  for (const auto& r : {std::make_pair(-3.0, 0.0), std::make_pair(-20.0, -5.0)})
+    for (std::int64_t K : {72, 160}) {
+      spec s;
+      s.type = dtype::bfloat16;
+      s.gate_type = dtype::float32;
+      s.gates = gk_ | (K == 72 ? g_ : 0u);
+      s.gk_range = r;
+      s.scalar_range = std::make_pair(-0.5, 0.0);
+      s.B = 1;
+      s.T = 777;
+      s.Hq = s.Hk = s.Hv = 2;
+      s.K = K;
+      s.V = 48;
+      s.initial_state = true;
+      s.alias_state = K == 160;
+      s.reverse = r.first < -10.0;
+      s.seed = seed++;
+      require_agreement(s, 0, 0, 4);
+    }
   // The heuristic splits few long sequences (B1 H2: blocks fill a fraction of the SMs) and
   // not many short ones.
   spec s;
@@ -226,12 +293,13 @@ TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs
 
 TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked][long]") {
   std::uint64_t seed = 600;
-  for (unsigned gates : {0u, unsigned(recattn::gate_g)}) {
+  for (unsigned gates : {0u, g_, gk_}) {
     spec s;
     s.type = dtype::bfloat16;
     s.gate_type = dtype::float32;
     s.gates = gates;
     s.scalar_range = std::make_pair(-0.05, 0.0);
+    s.gk_range = std::make_pair(-0.05, 0.0);
     s.B = 1;
     s.T = 65536;
     s.Hq = s.Hk = s.Hv = 1;
@@ -271,8 +339,8 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   CHECK(cands.front().algo == automatic_choice);  // T = 300, bf16, scalar gates
 
   // The heuristic: recurrent while the chunked kernel is the slower one
-  // (chunked_min_tokens = 0), else chunked for long bf16/half sequences with scalar gates;
-  // recurrent for short ones, for gk/gv and for float. A cfg with recurrent fields and algo
+  // (chunked_min_tokens = 0), else chunked for long bf16/half sequences without gv;
+  // recurrent for short ones, for gv and for float. A cfg with recurrent fields and algo
   // automatic stays recurrent; algo forces either.
   CHECK(recattn::cuda::resolve_cfg(p, std::nullopt).algo == automatic_choice);
   CHECK(recattn::cuda::resolve_cfg(p, algo_cfg(algorithm::recurrent)).algo == algorithm::recurrent);
@@ -288,7 +356,11 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   spec sk = s;
   sk.gates = recattn::gate_gk;
   instance with_gk(sk);
-  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gk), std::nullopt).algo == algorithm::recurrent);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gk), std::nullopt).algo == automatic_choice);
+  spec sgv = s;
+  sgv.gates = recattn::gate_gv;
+  instance with_gv(sgv);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gv), std::nullopt).algo == algorithm::recurrent);
   spec sf = s;
   sf.type = dtype::float32;
   sf.gate_type = dtype::float32;
@@ -315,12 +387,19 @@ TEST_CASE("cuda chunked: what it does not take is a recattn::Error, nothing writ
   s.K = s.V = 32;
   s.initial_state = true;
   s.cfg = algo_cfg(algorithm::chunked);
-  for (unsigned gates : {unsigned(recattn::gate_gk), unsigned(recattn::gate_gv),
+  for (unsigned gates : {unsigned(recattn::gate_gv), unsigned(recattn::gate_gk | recattn::gate_gv),
                          unsigned(recattn::gate_g | recattn::gate_gk | recattn::gate_gv)}) {
     spec sg = s;
     sg.gates = gates;
     INFO(sg.str());
-    expect_chunked_rejected(sg, "cfg.algorithm: expected recurrent for gk/gv");
+    expect_chunked_rejected(sg, "cfg.algorithm: expected recurrent for gv");
+  }
+  {
+    spec sk = s;  // gk with K > 128 takes chunks of 32
+    sk.gates = recattn::gate_gk;
+    sk.K = 160;
+    sk.cfg = algo_cfg(algorithm::chunked, 64, 0);
+    expect_chunked_rejected(sk, "cfg.chunk");
   }
   for (dtype t : {dtype::float32, dtype::float64}) {
     spec st = s;

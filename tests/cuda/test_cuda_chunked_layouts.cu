@@ -1,4 +1,4 @@
-// The chunked CUDA forward (issue 8, phase 1) on the layouts: varlen with empty sequences and
+// The chunked CUDA forward (issue 8) on the layouts: varlen with empty sequences and
 // lengths not a multiple of the chunk (int32 and int64 offsets, host or device), both
 // directions, grouped heads (GQA, GVA), initial and final state (also in place), the [V,K]
 // state layout; bfloat16 (half is in test_cuda_chunked.cu: the kernel is the same code for
@@ -23,7 +23,8 @@ TEST_CASE("cuda chunked: varlen with empty sequences, both directions, [K,V] and
   };
   std::uint64_t seed = 1000;
   for (const auto& cu : cus)
-    for (unsigned gates : {0u, unsigned(recattn::gate_g), unsigned(recattn::gate_g | recattn::gate_g_gamma)})
+    for (unsigned gates : {0u, unsigned(recattn::gate_g), unsigned(recattn::gate_g | recattn::gate_g_gamma),
+                           unsigned(recattn::gate_gk), unsigned(recattn::gate_g | recattn::gate_gk)})
       for (bool reverse : {false, true})
         for (auto layout : {recattn::state_layout::kv, recattn::state_layout::vk}) {
           spec s;
@@ -59,7 +60,7 @@ TEST_CASE("cuda chunked: grouped heads, in-place state, [V,K]", "[cuda][chunked]
         spec s;
         s.type = dtype::bfloat16;
         s.gate_type = dtype::float32;
-        s.gates = recattn::gate_g | ((seed & 1) ? recattn::gate_g_gamma : 0u);
+        s.gates = recattn::gate_g | ((seed & 1) ? recattn::gate_g_gamma : 0u) | ((seed & 4) ? recattn::gate_gk : 0u);
         s.reverse = (seed & 2) != 0;
         s.B = 2;
         s.T = 140;

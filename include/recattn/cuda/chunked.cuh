@@ -1,5 +1,5 @@
 // The chunked CUDA forward (issue 8): tensor-core products over chunks of C tokens, for
-// bfloat16 and half inputs and the scalar gates g and g_gamma.
+// bfloat16 and half inputs and the gates g, g_gamma and gk (gv: the recurrent kernel).
 //
 // A thread block of 16 warps owns one (sequence n, head h, block of BV value columns) and
 // walks the sequence's chunks in processing order. With G_i the cumulative log decay from the
@@ -48,12 +48,27 @@
 // -40 a token, the factor's relative error stays below 2e-4). Positive log decays grow the
 // factors like the reference's.
 //
+// gk (GATE = chunked_gk_decay; g and g_gamma folded in): the decay is per key channel a, so G
+// becomes a table B[i][a] (log2 units) that the state warps scan for chunk c + 1 while chunk c
+// is computed (double buffered beside S~, so the one barrier still orders everything):
+//   o_i = scale * ( (q_i e^{B_i}) S  +  sum_{j<=i} (q_i e^{B_i - B_r} . k_j e^{B_r - B_j}) v_j )
+//   S  <- diag(e^{B_C}) S + sum_j (k_j e^{B_C - B_j})^T v_j
+// with r the row before the query's 16-row tile (fla's sub-chunking): for key tiles before the
+// query tile both factors are <= 1 (decays <= 1), so neither overflows, and what underflows is
+// below what the product would be. On the diagonal tile the k factor grows (up to the decay
+// over 15 tokens): the scan flags a tile where any |B_i - B_r| passes 2^64 and that tile's
+// 16 x 16 block is then formed elementwise (q_ia k_ja e^{B_i[a] - B_j[a]}, CUDA cores);
+// otherwise it takes the tensor cores like the others. The products of A = Q~ K~^T read
+// bfloat16 operands for both input dtypes (2^64 is far past half's range). A token's log
+// decay is clamped below at -80 (e^-80 is 0 at SPEC §6's tolerances), so -inf never meets
+// -inf. Splits carry a decay factor per key channel.
+//
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
 // state S~ rounded to the input dtype each chunk); S itself accumulates in float. Measured
 // against the double reference this stays inside SPEC §6's 1e-2 for bfloat16 and half. Float
 // inputs are not taken (neither tf32 nor bfloat16 products can meet §6's 1e-4 for float);
 // double neither: the dispatcher takes the recurrent kernel for them, and a cfg that forces
-// chunked is a recattn::Error, as for gk and gv (phase 2).
+// chunked is a recattn::Error, as for gv.
 #pragma once
 
 #include <cstdint>
@@ -84,14 +99,19 @@ struct chunked_layout {
   unsigned st_bytes = 0;
   unsigned off_scan = 0;  ///< per warp: G log2(e), e^{G_i}, e^{G_C - G_j} (float), segment (int), [C] each
   unsigned scan_bytes = 0;
+  // gk: two tables of the chunk's cumulative log2 decays per key channel, [C][ldb] float, and
+  // two sets of fallback flags (a word per state warp: bit m, row tile m needs the fallback).
+  int ldb = 0;
+  unsigned off_tab = 0, tab_bytes = 0, off_flag = 0;
   std::size_t bytes = 0;
 };
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
 /// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
-/// `local`: the split-state pass (no q rows, no S~, 8 warps).
-inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false) {
+/// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
+/// tables instead of the per-warp scalar scans.
+inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
@@ -105,9 +125,16 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.off_raw = 0;
   L.st_bytes = local ? 0u : unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
-  L.scan_bytes = unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
+  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
   L.off_scan = L.off_st + 2 * L.st_bytes;
-  L.bytes = std::size_t(L.off_scan) + std::size_t(local ? chunked_warps - chunked_out_warps : chunked_warps) * L.scan_bytes;
+  L.off_tab = unsigned(std::size_t(L.off_scan) +
+                       std::size_t(local ? chunked_warps - chunked_out_warps : chunked_warps) * L.scan_bytes);
+  if (gk) {
+    L.ldb = L.Kp + 4;  // 4 words of pad: the state warps' reads of 8 channels x 4 tokens hit 32 banks
+    L.tab_bytes = unsigned(align128(std::size_t(C) * L.ldb * 4));
+  }
+  L.off_flag = L.off_tab + 2 * L.tab_bytes;
+  L.bytes = std::size_t(L.off_flag) + (gk ? 128u : 0u);
   return L;
 }
 
@@ -208,15 +235,27 @@ struct chunked_params {
   /// final state (from a zero state) at slot s + 1; chunked_combine_kernel turns slot s into
   /// the state entering split s (slot 0: the initial state), which the output pass reads.
   float* split_state = nullptr;
-  float* split_decay = nullptr;  ///< [N][H][nsplit - 1]: each split's total decay factor (0 across a zero decay)
+  float* split_decay = nullptr;  ///< [N][H][nsplit - 1] (gk: [..][K]): each split's total decay factor (0 across a zero decay)
+  bool decay_rows = false;       ///< gk: split_decay holds a factor per key channel
 };
 
+/// The decays a chunked kernel is compiled for: none, scalar (g and/or g_gamma), per key
+/// channel (gk, with g and g_gamma folded in when present).
+enum chunked_gate : int { chunked_no_decay = 0, chunked_scalar_decay = 1, chunked_gk_decay = 2 };
+
+/// gk: the per-token log decay is clamped below at this (natural log; e^-80 ~ 1.8e-35, a factor
+/// that is 0 at SPEC §6's tolerances), so that -inf never meets -inf in a difference.
+inline constexpr float chunked_gk_floor = -80.f;
+/// gk: the fast path of a diagonal tile scales q and k about the tile's reference row while
+/// every |B_i - B_ref| (log2) stays within this; bfloat16 then holds both scaled operands.
+inline constexpr float chunked_gk_fast_log2 = 64.f;
+
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
-/// or 64 columns), whether a scalar decay is present and state row tiles a warp (MS):
-/// direction, varlen and state layout are uniform run-time values. LOCAL: the split-state
-/// pass (state warps only, each split but the last from a zero state, its final state and
-/// total decay into P.split_state and P.split_decay; no outputs).
-template <class T, int C, int BV, bool GATED, int MS, bool LOCAL = false>
+/// or 64 columns), decay (GATE, a chunked_gate) and state row tiles a warp (MS): direction,
+/// varlen and state layout are uniform run-time values. LOCAL: the split-state pass (state
+/// warps only, each split but the last from a zero state, its final state and total decay
+/// into P.split_state and P.split_decay; no outputs).
+template <class T, int C, int BV, int GATE, int MS, bool LOCAL = false>
 __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::chunked_out_warps) : 32 * detail::chunked_warps,
                                   LOCAL ? 2 : 1) chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
@@ -230,7 +269,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr int RPW = C / NW;                         // staged rows a warp
   constexpr int NWS = NW - NWO;                       // state warps
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the per-warp scans
+  constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
+  static_assert(!(GK && MS == 2 && C == 64), "gk with K > 128: chunks of 32 (the scan's registers)");
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
   static_assert(NWS == 8 && C % NW == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
@@ -282,6 +324,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   int* sSeg = reinterpret_cast<int*>(scan + 4 * C);
   float* sFi = reinterpret_cast<float*>(scan + 8 * C);
   float* sFc = reinterpret_cast<float*>(scan + 12 * C);
+  auto tab_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_tab + unsigned(s) * L.tab_bytes); };
+  auto flag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_flag) + 8 * s; };
+  const int ldb = L.ldb;
+  const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
 
   const std::int64_t nchunks = (len + C - 1) / C;
   // This block's chunks [c_lo, c_hi): its split's (every chunk without splits).
@@ -454,6 +500,67 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     if (!LOCAL && has_h0) write_st(st_ptr(c_lo & 1));
     double split_G = 0.0;  // the split's total log decay (LOCAL), and whether a decay was 0
     bool split_zero = false;
+    // gk: the table of chunk c, B[l][a] = log2(e) * sum over the chunk's tokens up to l of
+    // (gk + g + g_gamma) of key channel a (a token's sum clamped below at chunked_gk_floor;
+    // zero past the sequence end and past K), and the fallback flags of its row tiles. The
+    // state warp's channels (its row tiles); lane: channel lane & 15, tokens of half lane >> 4
+    // (a serial sum in double, then the first half's total added to the second's).
+    double split_Gk[MS];  // LOCAL: the split's total log decay of the lane's channel (second half)
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms) split_Gk[ms] = 0.0;
+    auto scan_gk = [&](std::int64_t c, float* tb) {
+      constexpr int HT = C / 2;
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      const int chl = lane & 15, half = lane >> 4;
+      unsigned bits = 0;
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms) {
+        const int ch = 16 * (sw + NWS * ms) + chl;
+        if (16 * (sw + NWS * ms) >= Kp) continue;  // (warp-uniform)
+        float x[HT];
+#pragma unroll
+        for (int e = 0; e < HT; ++e) {
+          const int l = half * HT + e;
+          float v = 0.f;
+          if (l < cl && ch < p.K) {
+            const std::int64_t t = tok(i0 + l);
+            v = load_any<float>(p.gk.data, p.gk.type, gk_base + t * p.gk.s1 + ch);
+            if (has_g) v += load_any<float>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + std::int64_t(h) * p.g_s2);
+            v += float(gamma);
+            v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
+          }
+          x[e] = v;
+        }
+        double tot = 0.0;
+#pragma unroll
+        for (int e = 0; e < HT; ++e) tot += double(x[e]);
+        const double first = __shfl_sync(0xffffffffu, tot, chl);
+        double sum = half ? first : 0.0, ref = sum;
+        float dev = 0.f;
+#pragma unroll
+        for (int e = 0; e < HT; ++e) {
+          if (e % 16 == 0) {
+            ref = sum;
+            dev = 0.f;
+          }
+          sum += double(x[e]);
+          dev = fmaxf(dev, float(fabs(sum - ref)) * kLog2e);
+          tb[(half * HT + e) * ldb + ch] = float(sum) * kLog2e;
+          if (e % 16 == 15) {
+            const unsigned b = __ballot_sync(0xffffffffu, !(dev <= chunked_gk_fast_log2));
+            if (b & 0xffffu) bits |= 1u << (e / 16);
+            if (b >> 16) bits |= 1u << ((HT + e) / 16);
+          }
+        }
+        if (LOCAL) split_Gk[ms] += sum;  // (read from the second half's lanes: the chunk's total)
+      }
+      if (lane == 0) flag_ptr(int(c & 1))[sw] = bits;
+      (void)tb;
+    };
+    if constexpr (GK) {
+      if (c_lo < c_hi) scan_gk(c_lo, tab_ptr(int(c_lo & 1)));
+    }
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
                    const std::uint16_t* sv, float GC2, double GC, int segC) {
       if (LOCAL) {
@@ -469,6 +576,24 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           for (int nt = 0; nt < NB; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
+      }
+      // gk: row a of S decays by e^{B_C[a]}; K~ = k scaled by e^{B_C[a] - B_j[a]}.
+      const float* tb = GK ? tab_ptr(buf) : nullptr;
+      float bc[MS][2];
+      if constexpr (GK) {
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int a = 16 * (sw + NWS * ms) + r4 + 8 * hh;
+            bc[ms][hh] = a < Kp ? tb[(C - 1) * ldb + a] : 0.f;
+            const float f = exp2f(bc[ms][hh]);
+#pragma unroll
+            for (int nt = 0; nt < NB; ++nt) {
+              S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
+              S[ms][nt][2 * hh + 1] = f == 0.f ? 0.f : S[ms][nt][2 * hh + 1] * f;
+            }
+          }
       }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
       const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
@@ -491,6 +616,17 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
               ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
             }
           }
+          if constexpr (GK) {
+            // Register r: channel 16 mt + r4 + 8 (r & 1), tokens 16 kt + c4 + 8 (r >> 1) + {0, 1}.
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int a = 16 * mt + r4 + 8 * (r & 1), j = 16 * kt + c4 + 8 * (r >> 1);
+              const float2 x = unpack2<T>(ka[ms][r]);
+              const float fa = exp2f(bc[ms][r & 1] - tb[j * ldb + a]);
+              const float fb = exp2f(bc[ms][r & 1] - tb[(j + 1) * ldb + a]);
+              ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
+            }
+          }
         }
 #pragma unroll
         for (int np = 0; np < NB / 2; ++np) {
@@ -505,6 +641,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
       }
       if (!LOCAL && c + 1 < c_hi) write_st(st_ptr(buf ^ 1));
+      if constexpr (GK) {
+        if (c + 1 < c_hi) scan_gk(c + 1, tab_ptr(buf ^ 1));
+      }
     });
     if constexpr (LOCAL) {
       // The split's own final state into its slot; its total decay factor once.
@@ -518,7 +657,17 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             const int a = 16 * (sw + NWS * ms) + r4 + 8 * (i >> 1), b = 8 * nt + c4 + (i & 1);
             if (a < p.K && b < w) dst[kv_layout ? std::int64_t(a) * p.V + (b0 + b) : std::int64_t(b0 + b) * p.K + a] = S[ms][nt][i];
           }
-      if (vb == 0 && sw == 0 && lane == 0) P.split_decay[nh * (P.nsplit - 1) + sp] = split_zero ? 0.f : float(exp(split_G));
+      if constexpr (GK) {
+        if (vb == 0 && lane >= 16) {
+#pragma unroll
+          for (int ms = 0; ms < MS; ++ms) {
+            const int a = 16 * (sw + NWS * ms) + (lane & 15);
+            if (a < p.K) P.split_decay[(nh * (P.nsplit - 1) + sp) * p.K + a] = float(exp(split_Gk[ms]));
+          }
+        }
+      } else {
+        if (vb == 0 && sw == 0 && lane == 0) P.split_decay[nh * (P.nsplit - 1) + sp] = split_zero ? 0.f : float(exp(split_G));
+      }
       return;
     }
     // The final state, from the registers (the last split's).
@@ -564,17 +713,76 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     const std::uint16_t* qrow = sq + (16 * mi + (lane & 15)) * ldk + (lane >> 4) * 8;
     const std::uint16_t* krow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
     const std::uint16_t* srow = st + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
-#pragma unroll 2
+    // gk: the table of the chunk; the row tile's reference row 16 mi - 1 (B_ref = 0 for the
+    // first tile). A's tiles before the diagonal one take q scaled by e^{B_i - B_ref} (<= 1)
+    // and k by e^{B_ref - B_j} (<= 1), products in bfloat16 (its range holds what half's
+    // cannot); the diagonal tile the same when the tile's flag allows (every |B_i - B_ref| <=
+    // chunked_gk_fast_log2), else elementwise below. The inter-chunk product takes q scaled by
+    // e^{B_i}.
+    const float* tb = GK ? tab_ptr(buf) : nullptr;
+    bool fast = true;
+    if constexpr (GK) {
+      const unsigned* fl = flag_ptr(buf);
+      unsigned bits = 0;
+#pragma unroll
+      for (int s8 = 0; s8 < 8; ++s8) bits |= fl[s8];
+      fast = ((bits >> mi) & 1u) == 0u;
+    }
+    const int ref_row = 16 * mi - 1;
+#pragma unroll(GK ? 1 : 2)
     for (int ks = 0; ks < nKt; ++ks) {
       unsigned qa[4];
       ldsm_x4(qa, qrow + 16 * ks);
+      if constexpr (GK) {
+        // Register r of q: row 16 mi + r4 + 8 (r & 1), channels 16 ks + c4 + 8 (r >> 1) + {0, 1};
+        // of k (kb[m]): token 16 np + r4 + 8 (m >> 1), channels 16 ks + c4 + 8 (m & 1) + {0, 1}.
+        float bref[2][2];
 #pragma unroll
-      for (int np = 0; np < nM; ++np) {
-        if (np > mi) break;
-        unsigned kb[4];
-        ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
-        mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
-        mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) bref[u][e] = mi > 0 ? tb[ref_row * ldb + 16 * ks + c4 + 8 * u + e] : 0.f;
+        // (a: even, ldb even: the pairs of B below are 8-byte aligned)
+        unsigned qi[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 16 * mi + r4 + 8 * (r & 1), a = 16 * ks + c4 + 8 * (r >> 1);
+          const float2 x = unpack2<T>(qa[r]);
+          const float2 b = *reinterpret_cast<const float2*>(tb + i * ldb + a);
+          qi[r] = pack2<bfloat16>(x.x * exp2f(b.x - bref[r >> 1][0]), x.y * exp2f(b.y - bref[r >> 1][1]));
+        }
+#pragma unroll
+        for (int np = 0; np < nM; ++np) {
+          if (np > mi || (np == mi && !fast)) break;
+          unsigned kb[4];
+          ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const int j = 16 * np + r4 + 8 * (m >> 1), a = 16 * ks + c4 + 8 * (m & 1);
+            const float2 x = unpack2<T>(kb[m]);
+            const float2 b = *reinterpret_cast<const float2*>(tb + j * ldb + a);
+            kb[m] = pack2<bfloat16>(x.x * exp2f(bref[m & 1][0] - b.x), x.y * exp2f(bref[m & 1][1] - b.y));
+          }
+          mma16816<bfloat16>(A[2 * np], qi, kb[0], kb[1]);
+          mma16816<bfloat16>(A[2 * np + 1], qi, kb[2], kb[3]);
+        }
+        if (inter) {  // the inter-chunk product's operand: q scaled by e^{B_i}
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 16 * mi + r4 + 8 * (r & 1), a = 16 * ks + c4 + 8 * (r >> 1);
+            const float2 x = unpack2<T>(qa[r]);
+            const float2 b = *reinterpret_cast<const float2*>(tb + i * ldb + a);
+            qa[r] = pack2<T>(x.x * exp2f(b.x), x.y * exp2f(b.y));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int np = 0; np < nM; ++np) {
+          if (np > mi) break;
+          unsigned kb[4];
+          ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
+          mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
+          mma16816<T>(A[2 * np + 1], qa, kb[2], kb[3]);
+        }
       }
       if (inter) {
         if constexpr (NTW >= 2) {
@@ -621,6 +829,34 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
       }
     } else {
+      if constexpr (GK) {
+        if (!fast) {
+          // The diagonal tile elementwise: A_ij = sum_a q_ia k_ja e^{B_i[a] - B_j[a]}, j <= i.
+#pragma unroll
+          for (int t = 0; t < 2 * nM; ++t) {
+            if (t / 2 != mi) continue;  // (A's registers by compile-time index)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int i = hh ? i_hi : i_lo, j = 8 * t + c4 + e;
+                float acc = 0.f;
+                if (j <= i) {
+                  const unsigned* qp = reinterpret_cast<const unsigned*>(sq + i * ldk);
+                  const unsigned* kp = reinterpret_cast<const unsigned*>(sk + j * ldk);
+                  for (int a2 = 0; a2 < Kp / 2; ++a2) {
+                    const float2 qx = unpack2<T>(qp[a2]), kx = unpack2<T>(kp[a2]);
+                    const float2 bi = *reinterpret_cast<const float2*>(tb + i * ldb + 2 * a2);
+                    const float2 bj = *reinterpret_cast<const float2*>(tb + j * ldb + 2 * a2);
+                    acc = fmaf(qx.x * kx.x, exp2f(bi.x - bj.x), acc);
+                    acc = fmaf(qx.y * kx.y, exp2f(bi.y - bj.y), acc);
+                  }
+                }
+                A[t][2 * hh + e] = acc;
+              }
+          }
+        }
+      }
 #pragma unroll
       for (int t = 0; t < 2 * nM; ++t) {
         if (t >= 2 * (mi + 1)) break;
@@ -691,7 +927,7 @@ __global__ void chunked_combine_kernel(const chunked_params P) {
     float* slot = P.split_state + nh * ns * KV + e;
     slot[0] = acc;
     for (int s = 1; s < ns; ++s) {
-      const float f = P.split_decay[nh * (ns - 1) + s - 1];
+      const float f = P.decay_rows ? P.split_decay[(nh * (ns - 1) + s - 1) * p.K + a] : P.split_decay[nh * (ns - 1) + s - 1];
       acc = (f == 0.f ? 0.f : f * acc) + slot[s * KV];
       slot[s * KV] = acc;
     }

@@ -98,8 +98,7 @@ namespace detail {
 
 /// Why the chunked kernel cannot take p (null: it can).
 inline const char* chunked_unsupported(const problem& p) {
-  if (p.has(gate_gk) || p.has(gate_gv))
-    return "recurrent for gk/gv (the chunked kernel takes g and g_gamma in this version)";
+  if (p.has(gate_gv)) return "recurrent for gv (the chunked kernel takes g, g_gamma and gk in this version)";
   if (p.type == dtype::float64) return "recurrent for float64 inputs (the chunked kernel takes bfloat16 and float16)";
   if (p.type == dtype::float32)
     return "recurrent for float32 inputs (the chunked kernel takes bfloat16 and float16: tensor-core products in tf32 "
@@ -122,7 +121,13 @@ inline bool chunked_pays(const problem& p) {
   return chunked_min_tokens > 0 && per_seq >= chunked_min_tokens;
 }
 
-inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) { return make_chunked_layout(p.K, bv, chunk).bytes; }
+inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) {
+  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk)).bytes;
+}
+
+/// The longest chunk the kernel is compiled for: 64, but 32 with gk and K > 128 (the gk scan
+/// holds a state warp's share of a chunk in registers, twice as many row tiles there).
+inline int chunked_max_chunk(const problem& p) { return p.has(gate_gk) && p.K > 128 ? 32 : 64; }
 
 /// Value columns of a chunked block: the fewest 16-column tiles that hold V, up to 64, halved
 /// while the blocks of half as many columns still fit the multiprocessors in one wave (a block
@@ -168,7 +173,7 @@ inline cfg chunked_heuristic_cfg(const problem& p) {
   c.block_k = int((p.K + 15) / 16 * 16);
   const int widest = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
   const int splits = detail::chunked_splits(p, widest);
-  int bv = splits > 1 ? widest : detail::chunked_block_v(p), chunk = 64;
+  int bv = splits > 1 ? widest : detail::chunked_block_v(p), chunk = detail::chunked_max_chunk(p);
   const std::size_t budget = detail::smem_budget();
   while (bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
   while (chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
@@ -200,12 +205,14 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
     fail("cfg.num_warps", cat("0 or ", detail::chunked_warps, " with algorithm chunked"), u.num_warps);
   if (u.block_k != 0 && u.block_k != Kp)
     fail("cfg.block_k", cat("0 or ", Kp, " with algorithm chunked (K rounded up to 16)"), u.block_k);
+  if (u.chunk > detail::chunked_max_chunk(p))
+    fail("cfg.chunk", "0 or 32 with algorithm chunked, gk and K > 128", u.chunk);
   if (u.splits < 0) fail("cfg.splits", "a value >= 0", u.splits);
   if (u.splits > 1 && p.varlen) fail("cfg.splits", "0 or 1 with cu_seqlens (splits take dense inputs)", u.splits);
   cfg c = u;
   const cfg h = chunked_heuristic_cfg(p);
   int bv = u.block_v ? u.block_v : u.splits == 1 ? detail::chunked_block_v(p) : h.block_v;
-  int chunk = u.chunk ? u.chunk : 64;
+  int chunk = u.chunk ? u.chunk : detail::chunked_max_chunk(p);
   const std::size_t budget = detail::smem_budget();
   while (!u.block_v && bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
   while (!u.chunk && chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
@@ -300,6 +307,7 @@ inline std::vector<cfg> candidate_cfgs(const problem& p) {
     const cfg ch = chunked_heuristic_cfg(p);
     for (int chunk : {32, 64})
       for (int bv : {16, 32, 64}) {
+        if (chunk > detail::chunked_max_chunk(p)) continue;
         if (bv > 16 && bv / 2 >= p.V) continue;  // a block of padding columns
         if (detail::chunked_bytes(p, bv, chunk) > budget) continue;
         cfg c = ch;
@@ -442,13 +450,13 @@ struct cuda_backend {
   }
 };
 
-/// The chunked kernel (chunked.cuh): bfloat16 and half, gates g and g_gamma.
+/// The chunked kernel (chunked.cuh): bfloat16 and half, gates g, g_gamma and gk.
 struct chunked_backend {
   template <class T, class Policy>
   static void forward(const problem& p, const launch_args& a) {
     if constexpr (!std::is_same<T, bfloat16>::value && !std::is_same<T, half>::value) {
       recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
-    } else if constexpr (Policy::has_gk || Policy::has_gv) {
+    } else if constexpr (Policy::has_gv) {
       recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
     } else {
       const int bv = a.c.block_v;
@@ -456,7 +464,9 @@ struct chunked_backend {
       if (p.N * p.H * nvb == 0) return;
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
-      P.L = make_chunked_layout(p.K, bv, a.c.chunk);
+      constexpr bool gk = Policy::has_gk;
+      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk);
+      P.decay_rows = gk;
       P.N = p.N;
       const std::int64_t Bt = p.varlen ? 1 : p.B;
       P.out_pairs = row_align(p.out_data(), 2,
@@ -473,7 +483,8 @@ struct chunked_backend {
       if (P.nsplit > 1) {
         const std::int64_t slots = p.N * p.H * P.nsplit;
         const std::size_t state_bytes = std::size_t(slots * p.K * p.V) * sizeof(float);
-        check(cudaMallocAsync(&ws, state_bytes + std::size_t(p.N * p.H * (P.nsplit - 1)) * sizeof(float), a.stream),
+        const std::int64_t factors = p.N * p.H * (P.nsplit - 1) * (gk ? p.K : 1);
+        check(cudaMallocAsync(&ws, state_bytes + std::size_t(factors) * sizeof(float), a.stream),
               "cudaMallocAsync(chunked split workspace)");
         P.split_state = static_cast<float*>(ws);
         P.split_decay = reinterpret_cast<float*>(static_cast<char*>(ws) + state_bytes);
@@ -485,18 +496,24 @@ struct chunked_backend {
         kernel<<<unsigned(nblocks), unsigned(32 * warps), Q.L.bytes, a.stream>>>(Q);
         check(cudaGetLastError(), "chunked forward kernel launch");
       };
-      constexpr bool gated = Policy::has_g || Policy::has_g_gamma;
+      constexpr int gate = gk                                     ? chunked_gk_decay
+                           : Policy::has_g || Policy::has_g_gamma ? chunked_scalar_decay
+                                                                  : chunked_no_decay;
       auto by_bv = [&](auto chunk, auto ms, auto local) {
         constexpr int C = decltype(chunk)::value, MS = decltype(ms)::value;
         constexpr bool LOCAL = decltype(local)::value;
         chunked_params Q = P;
-        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true);
+        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true, gk);
         const std::int64_t nb = LOCAL ? blocks / P.nsplit * (P.nsplit - 1) : blocks;
         const int warps = LOCAL ? chunked_warps - chunked_out_warps : chunked_warps;
-        switch (bv) {
-          case 16: launch(chunked_forward_kernel<T, C, 16, gated, MS, LOCAL>, Q, nb, warps); break;
-          case 32: launch(chunked_forward_kernel<T, C, 32, gated, MS, LOCAL>, Q, nb, warps); break;
-          default: launch(chunked_forward_kernel<T, C, 64, gated, MS, LOCAL>, Q, nb, warps); break;
+        if constexpr (gk && MS == 2 && C == 64) {
+          recattn::detail::fail("cfg.chunk", "32 with gk and K > 128 (resolve_cfg's choice)", C);
+        } else {
+          switch (bv) {
+            case 16: launch(chunked_forward_kernel<T, C, 16, gate, MS, LOCAL>, Q, nb, warps); break;
+            case 32: launch(chunked_forward_kernel<T, C, 32, gate, MS, LOCAL>, Q, nb, warps); break;
+            default: launch(chunked_forward_kernel<T, C, 64, gate, MS, LOCAL>, Q, nb, warps); break;
+          }
         }
       };
       // State row tiles a state warp: one up to K = 128 (8 warps of 16 rows), two beyond.
@@ -507,7 +524,10 @@ struct chunked_backend {
       try {
         if (P.nsplit > 1) {
           // Pass 1 (chunks of 64: split_tokens is a multiple of 64), the combine, then pass 2.
-          by_ms([&](auto ms) { by_bv(std::integral_constant<int, 64>(), ms, std::true_type()); });
+          by_ms([&](auto ms) {
+            if constexpr (gk && decltype(ms)::value == 2) by_bv(std::integral_constant<int, 32>(), ms, std::true_type());
+            else by_bv(std::integral_constant<int, 64>(), ms, std::true_type());
+          });
           const std::int64_t total = p.N * p.H * p.K * p.V;
           const std::int64_t cb = std::min<std::int64_t>((total + 255) / 256, std::int64_t(sm_count()) * 8);
           chunked_combine_kernel<<<unsigned(cb), 256, 0, a.stream>>>(P);
@@ -545,7 +565,7 @@ inline void run_forward(const problem& p, const cfg& c, const forward_options& o
   const bool chunked = c.algo == algorithm::chunked;
   if (chunked) {
     if (const char* why = detail::chunked_unsupported(p)) recattn::detail::fail("cfg.algorithm", why, "chunked");
-    if (c.num_warps != detail::chunked_warps || (c.chunk != 32 && c.chunk != 64) ||
+    if (c.num_warps != detail::chunked_warps || (c.chunk != 32 && c.chunk != 64) || c.chunk > detail::chunked_max_chunk(p) ||
         (c.block_v != 16 && c.block_v != 32 && c.block_v != 64))
       recattn::detail::fail("cfg", "a configuration from cuda::resolve_cfg", c.str());
   } else if (c.num_warps < 1 || c.num_warps > 8 || c.chunk < 4 || c.chunk % 4 || c.chunk > 32 * c.num_warps) {
