@@ -81,3 +81,29 @@ TEST_CASE("cuda chunked: grouped heads, in-place state, [V,K]", "[cuda][chunked]
         require_agreement(s);
       }
 }
+
+TEST_CASE("cuda chunked: sequence splits with the [V,K] state", "[cuda][chunked]") {
+  // Splits (the split-state pass writes its slots, the combine scans them, in the state
+  // layout) with [V,K]: scalar decays, gk (a factor per key channel), both; with and without
+  // an initial state, the final state over the initial one.
+  std::uint64_t seed = 1400;
+  for (unsigned gates : {unsigned(recattn::gate_g), unsigned(recattn::gate_gk),
+                         unsigned(recattn::gate_g | recattn::gate_g_gamma | recattn::gate_gk)})
+    for (int splits : {2, 5}) {
+      spec s;
+      s.type = dtype::bfloat16;
+      s.gate_type = dtype::float32;
+      s.gates = gates;
+      s.layout = recattn::state_layout::vk;
+      s.reverse = (seed & 1) != 0;
+      s.initial_state = (seed & 2) != 0;
+      s.alias_state = s.initial_state && splits == 5;
+      s.B = 2;
+      s.T = 1000;
+      s.Hq = s.Hk = s.Hv = 2;
+      s.K = 72;
+      s.V = 40;
+      s.seed = seed++;
+      require_agreement(s, 0, 0, splits);
+    }
+}

@@ -141,6 +141,12 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
 template <class T>
 struct mma_is_bf16 : std::is_same<T, bfloat16> {};
 
+/// A type as a value (a dtype switch's cases call one generic lambda).
+template <class G>
+struct type_tag {
+  using type = G;
+};
+
 /// Two floats as a 16-bit pair (round to nearest even), `lo` in the low half.
 template <class T>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -199,13 +205,15 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 }
 
 /// One 16-byte unit of a staged row: the elements [e0, e0 + 8) of a row of a 16-bit tensor
-/// (`valid` of them real, the rest zero). 16-byte aligned rows go by cp.async (the zero fill in
-/// the copy); others by plain 2-byte loads.
+/// (`valid` of them real, the rest zero). Whole units of 16-byte aligned rows go by cp.async
+/// (none real: a zero fill that reads nothing); others, and a row's last unit when it is
+/// partial (a 16-byte read there could pass the tensor's end: compute-sanitizer's memcheck
+/// counts the whole 16 bytes of a cp.async with a smaller source size), by plain 2-byte loads.
 __device__ __forceinline__ void stage_unit(void* dst, const row_tensor& x, std::int64_t elem, int valid) {
   const std::uint16_t* data = reinterpret_cast<const std::uint16_t*>(x.data);
   const std::uint16_t* src = data + elem;
-  if (x.align == 16) {
-    cp_async<16>(dst, valid > 0 ? static_cast<const void*>(src) : static_cast<const void*>(data), 2 * max(valid, 0));
+  if (x.align == 16 && (valid >= 8 || valid <= 0)) {
+    cp_async<16>(dst, valid > 0 ? static_cast<const void*>(src) : static_cast<const void*>(data), valid > 0 ? 16 : 0);
   } else {
     unsigned w[4];
 #pragma unroll
@@ -518,19 +526,37 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       for (int ms = 0; ms < MS; ++ms) {
         const int ch = 16 * (sw + NWS * ms) + chl;
         if (16 * (sw + NWS * ms) >= Kp) continue;  // (warp-uniform)
+        // The loads of the lane's tokens, all issued before the first is used (the dtype
+        // switch outside the loop: one latency a chunk, not one a token).
         float x[HT];
+        const bool lane_real = ch < p.K;
+        const std::int64_t g_base = bidx * p.g_s0 + std::int64_t(h) * p.g_s2;
+        auto load_rows = [&](auto tag, const void* base, std::int64_t off, std::int64_t stride, bool add) {
+          using G = typename decltype(tag)::type;
+          const G* gp = static_cast<const G*>(base);
+#pragma unroll
+          for (int e = 0; e < HT; ++e) {
+            const int l = half * HT + e;
+            const float v = l < cl && lane_real ? to_acc<float>(gp[off + tok(i0 + l) * stride]) : 0.f;
+            x[e] = add ? x[e] + v : v;
+          }
+        };
+        auto typed = [&](dtype t, auto&& f) {
+          switch (t) {
+            case dtype::bfloat16: f(type_tag<bfloat16>()); break;
+            case dtype::float16: f(type_tag<recattn::half>()); break;
+            case dtype::float64: f(type_tag<double>()); break;
+            default: f(type_tag<float>()); break;
+          }
+        };
+        typed(p.gk.type, [&](auto tag) { load_rows(tag, p.gk.data, gk_base + ch, p.gk.s1, false); });
+        if (has_g) typed(p.g_type, [&](auto tag) { load_rows(tag, p.g, g_base, p.g_s1, true); });
 #pragma unroll
         for (int e = 0; e < HT; ++e) {
           const int l = half * HT + e;
-          float v = 0.f;
-          if (l < cl && ch < p.K) {
-            const std::int64_t t = tok(i0 + l);
-            v = load_any<float>(p.gk.data, p.gk.type, gk_base + t * p.gk.s1 + ch);
-            if (has_g) v += load_any<float>(p.g, p.g_type, bidx * p.g_s0 + t * p.g_s1 + std::int64_t(h) * p.g_s2);
-            v += float(gamma);
-            v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
-          }
-          x[e] = v;
+          float v = x[e] + float(gamma);
+          v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
+          x[e] = l < cl && lane_real ? v : 0.f;
         }
         double tot = 0.0;
 #pragma unroll
