@@ -357,6 +357,14 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   sk.gates = recattn::gate_gk;
   instance with_gk(sk);
   CHECK(recattn::cuda::resolve_cfg(problem_of(with_gk), std::nullopt).algo == automatic_choice);
+  // gk with K <= 64 stays recurrent unless the sequences are split (few long ones).
+  spec sk64 = sk;
+  sk64.K = 64;
+  instance gk_small(sk64);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(gk_small), std::nullopt).algo == algorithm::recurrent);
+  sk64.T = 8192;
+  instance gk_long(sk64);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(gk_long), std::nullopt).algo == automatic_choice);
   spec sgv = s;
   sgv.gates = recattn::gate_gv;
   instance with_gv(sgv);

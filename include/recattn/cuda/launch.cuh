@@ -107,19 +107,15 @@ inline const char* chunked_unsupported(const problem& p) {
 }
 
 /// Tokens per sequence from which the chunked kernel is the automatic choice (bfloat16 and
-/// half inputs with scalar gates or none; 0: never). Measured on an H200 (bench/README.md,
-/// 2026-12-05): the mma.sync chunked kernel takes 0.4 to 0.6 times the recurrent kernel's time
-/// on every issue-8 shape (T 2048 to 16384); from 256 tokens a sequence it has four chunks or
-/// more. cfg.algo forces either kernel, and candidate_cfgs lists both for an autotuner.
+/// half inputs without gv, see chunked_pays for gk; 0: never). Measured on an H100
+/// (bench/README.md, 2026-12-05): with scalar gates or none the chunked kernel takes 0.28 to
+/// 0.40 times the recurrent kernel's time on every issue-8 shape (T 2048 to 16384; 0.07 for
+/// B1 T16384 H8, split); from 256 tokens a sequence it has four chunks or more. cfg.algo forces either kernel, and candidate_cfgs lists both for an autotuner.
 #ifndef RECATTN_CUDA_CHUNKED_MIN_TOKENS
 #define RECATTN_CUDA_CHUNKED_MIN_TOKENS 256
 #endif
 inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKENS;
 
-inline bool chunked_pays(const problem& p) {
-  const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
-  return chunked_min_tokens > 0 && per_seq >= chunked_min_tokens;
-}
 
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) {
   return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk)).bytes;
@@ -157,6 +153,21 @@ inline int chunked_splits(const problem& p, int bv) {
 inline std::int64_t chunked_split_tokens(std::int64_t T, int splits) {
   const std::int64_t units = (T + 63) / 64;
   return (units + splits - 1) / splits * 64;
+}
+
+/// With gk the chunked kernel scales q and k per channel in each output warp, which costs it
+/// its lead where the recurrent kernel is quick: measured on an H100 (bench/README.md,
+/// 2026-12-05), chunked/recurrent 1.36/1.55 ms at B4 T4096 H16 K=V=128, 1.38/6.05 at B1
+/// T16384 H8, 1.39/1.57 varlen 8 x 2048, but 1.31/1.15 at B8 T2048 H32 K=V=64: gk takes the
+/// chunked kernel from K = 65 (or where it splits sequences: few long ones).
+inline bool chunked_pays(const problem& p) {
+  const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
+  if (chunked_min_tokens <= 0 || per_seq < chunked_min_tokens) return false;
+  if (p.has(gate_gk) && p.K <= 64) {
+    const int widest = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
+    return chunked_splits(p, widest) > 1;
+  }
+  return true;
 }
 
 }  // namespace detail
