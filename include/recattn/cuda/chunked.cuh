@@ -388,15 +388,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
   };
   // One barrier of all NW warps. The two roles run separate loops (each keeps only its own
-  // registers live), so the barrier is a named one, reached from both. bar.sync is the
-  // .aligned barrier: every lane of a warp must reach it converged, and after the lane-
-  // dependent branches of a chunk's work (rows past the sequence end, the staging's lane
-  // ranges) nothing else makes the compiler reconverge them: compute-sanitizer's synccheck
-  // reported "Divergent thread(s) in block" there (H100, 2026-12-05) until __syncwarp().
-  auto block_sync = [] {
-    __syncwarp();
-    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * NW) : "memory");
-  };
+  // registers live), so the barrier is a named one that the roles reach from two different
+  // instructions. That needs the non-.aligned barrier.sync: bar.sync is barrier.sync.aligned,
+  // which the PTX ISA defines only where every thread executes the same barrier instruction
+  // (compute-sanitizer's synccheck reported "Divergent thread(s) in block" at it, on an H100,
+  // 2026-12-05; a __syncwarp() before it did not change that).
+  auto block_sync = [] { asm volatile("barrier.sync 1, %0;\n" ::"n"(32 * NW) : "memory"); };
 
   // The chunk loop of one role: every warp stages its share of chunk c + 1, loads the gates
   // and scans the chunk's decays for itself; then the role's work.
