@@ -103,6 +103,9 @@ struct chunked_layout {
   // two sets of fallback flags (a word per state warp: bit m, row tile m needs the fallback).
   int ldb = 0;
   unsigned off_tab = 0, tab_bytes = 0, off_flag = 0;
+  // gk in 16 or 32 bits: the chunk's gk rows as given, [C][gk_pitch bytes], copied by cp.async
+  // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
+  unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
   std::size_t bytes = 0;
 };
 
@@ -111,7 +114,9 @@ inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 /// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
 /// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
 /// tables instead of the per-warp scalar scans.
-inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false) {
+/// `gk_es`: gk's element size (its rows are staged in shared memory for 2 and 4).
+inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false,
+                                          int gk_es = 0) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
@@ -134,7 +139,12 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
     L.tab_bytes = unsigned(align128(std::size_t(C) * L.ldb * 4));
   }
   L.off_flag = L.off_tab + 2 * L.tab_bytes;
-  L.bytes = std::size_t(L.off_flag) + (gk ? 128u : 0u);
+  L.off_gks = L.off_flag + (gk ? 128u : 0u);
+  if (gk && (gk_es == 2 || gk_es == 4)) {
+    L.gk_pitch = unsigned(L.Kp * gk_es + 16);  // 16 bytes of pad a row (the scan's reads by channel)
+    L.gks_bytes = unsigned(align128(std::size_t(C) * L.gk_pitch));
+  }
+  L.bytes = std::size_t(L.off_gks) + L.gks_bytes;
   return L;
 }
 
@@ -553,8 +563,39 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             default: f(type_tag<float>()); break;
           }
         };
-        typed(p.gk.type, [&](auto tag) { load_rows(tag, p.gk.data, gk_base + ch, p.gk.s1, false); });
-        if (has_g) typed(p.g_type, [&](auto tag) { load_rows(tag, p.g, g_base, p.g_s1, true); });
+        if (L.gks_bytes) {
+          // From the rows staged in shared memory (issue_gk; every state warp's copies waited
+          // for before the scan).
+          const unsigned char* rows = chunked_smem + L.off_gks;
+          auto read_rows = [&](auto tag) {
+            using G = typename decltype(tag)::type;
+#pragma unroll
+            for (int e = 0; e < HT; ++e)
+              x[e] = to_acc<float>(reinterpret_cast<const G*>(rows + (half * HT + e) * L.gk_pitch)[ch]);
+          };
+          if (p.gk.type == dtype::float32) read_rows(type_tag<float>());
+          else if (p.gk.type == dtype::float16) read_rows(type_tag<recattn::half>());
+          else read_rows(type_tag<bfloat16>());
+        } else {
+          typed(p.gk.type, [&](auto tag) { load_rows(tag, p.gk.data, gk_base + ch, p.gk.s1, false); });
+        }
+        if (has_g) {
+          // g is one value a token: lane u loads tokens u and u + 32, the others take theirs by
+          // shuffles (32 loads a lane, each waited for, made the scan latency-bound).
+          float gl[2] = {0.f, 0.f};
+#pragma unroll
+          for (int u = 0; u < C / 32; ++u) {
+            const int l = lane + 32 * u;
+            if (l < cl) gl[u] = load_any<float>(p.g, p.g_type, g_base + tok(i0 + l) * p.g_s1);
+          }
+#pragma unroll
+          for (int e = 0; e < HT; ++e) {
+            const int l = half * HT + e;
+            const float a = __shfl_sync(0xffffffffu, gl[0], l & 31);
+            const float b = C > 32 ? __shfl_sync(0xffffffffu, gl[1], l & 31) : 0.f;
+            x[e] += (l >> 5) ? b : a;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < HT; ++e) {
           const int l = half * HT + e;
@@ -588,14 +629,43 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if (lane == 0) flag_ptr(int(c & 1))[sw] = bits;
       (void)tb;
     };
+    // gk rows of chunk c into their stage (when the layout has one): state warp sw copies rows
+    // sw, sw + 8, ..., a lane a 16-byte unit (zero past K and past the sequence end); the scan
+    // waits for its own copies and then for every state warp's (named barrier 2).
+    auto issue_gk = [&](std::int64_t c) {
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      const int es = p.gk.es, units = int(L.gk_pitch / 16) - 1, real16 = p.K * es / 2;
+      unsigned char* rows = chunked_smem + L.off_gks;
+      for (int l = sw; l < C; l += NWS) {
+        const std::int64_t t = tok(i0 + (l < cl ? l : 0));
+        for (int u = lane; u < units; u += 32)
+          stage_unit(rows + l * L.gk_pitch + 16 * u, p.gk, (gk_base + t * p.gk.s1) * (es / 2) + 8 * u,
+                     l < cl ? min(8, real16 - 8 * u) : 0);
+      }
+      cp_async_commit();
+    };
+    auto staged_scan = [&](std::int64_t c, float* tb) {
+      if (L.gks_bytes) {
+        cp_async_wait<0>();
+        asm volatile("barrier.sync 2, %0;\n" ::"n"(32 * NWS) : "memory");
+      }
+      scan_gk(c, tb);
+    };
     if constexpr (GK) {
-      if (c_lo < c_hi) scan_gk(c_lo, tab_ptr(int(c_lo & 1)));
+      if (c_lo < c_hi) {
+        if (L.gks_bytes) issue_gk(c_lo);
+        staged_scan(c_lo, tab_ptr(int(c_lo & 1)));
+      }
     }
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
                    const std::uint16_t* sv, float GC2, double GC, int segC) {
       if (LOCAL) {
         split_G += GC;
         split_zero = split_zero || segC != 0;
+      }
+      if constexpr (GK) {
+        if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
       }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       if constexpr (GATED) {
@@ -672,7 +742,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       if (!LOCAL && c + 1 < c_hi) write_st(st_ptr(buf ^ 1));
       if constexpr (GK) {
-        if (c + 1 < c_hi) scan_gk(c + 1, tab_ptr(buf ^ 1));
+        if (c + 1 < c_hi) staged_scan(c + 1, tab_ptr(buf ^ 1));
       }
     });
     if constexpr (LOCAL) {

@@ -117,8 +117,11 @@ inline const char* chunked_unsupported(const problem& p) {
 inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKENS;
 
 
+/// gk's element size (0 without gk): the chunked kernel stages gk rows of 2 and 4 bytes.
+inline int chunked_gk_es(const problem& p) { return p.has(gate_gk) ? int(dtype_size(p.gk.type)) : 0; }
+
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) {
-  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk)).bytes;
+  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk), chunked_gk_es(p)).bytes;
 }
 
 /// The longest chunk the kernel is compiled for: 64, but 32 with gk and K > 128 (the gk scan
@@ -476,7 +479,7 @@ struct chunked_backend {
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
       constexpr bool gk = Policy::has_gk;
-      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk);
+      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk, chunked_gk_es(p));
       P.decay_rows = gk;
       P.N = p.N;
       const std::int64_t Bt = p.varlen ? 1 : p.B;
@@ -514,7 +517,7 @@ struct chunked_backend {
         constexpr int C = decltype(chunk)::value, MS = decltype(ms)::value;
         constexpr bool LOCAL = decltype(local)::value;
         chunked_params Q = P;
-        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true, gk);
+        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true, gk, chunked_gk_es(p));
         const std::int64_t nb = LOCAL ? blocks / P.nsplit * (P.nsplit - 1) : blocks;
         const int warps = LOCAL ? chunked_warps - chunked_out_warps : chunked_warps;
         if constexpr (gk && MS == 2 && C == 64) {
