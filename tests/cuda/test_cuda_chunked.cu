@@ -357,11 +357,11 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   sk.gates = recattn::gate_gk;
   instance with_gk(sk);
   CHECK(recattn::cuda::resolve_cfg(problem_of(with_gk), std::nullopt).algo == automatic_choice);
-  // gk with K <= 64 stays recurrent unless the sequences are split (few long ones).
+  // gk with small heads too (K = 64), split or not.
   spec sk64 = sk;
   sk64.K = 64;
   instance gk_small(sk64);
-  CHECK(recattn::cuda::resolve_cfg(problem_of(gk_small), std::nullopt).algo == algorithm::recurrent);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(gk_small), std::nullopt).algo == automatic_choice);
   sk64.T = 8192;
   instance gk_long(sk64);
   CHECK(recattn::cuda::resolve_cfg(problem_of(gk_long), std::nullopt).algo == automatic_choice);

@@ -107,7 +107,7 @@ inline const char* chunked_unsupported(const problem& p) {
 }
 
 /// Tokens per sequence from which the chunked kernel is the automatic choice (bfloat16 and
-/// half inputs without gv, see chunked_pays for gk; 0: never). Measured on an H100
+/// half inputs without gv, gk included; 0: never). Measured on an H100
 /// (bench/README.md, 2026-12-05): with scalar gates or none the chunked kernel takes 0.28 to
 /// 0.40 times the recurrent kernel's time on every issue-8 shape (T 2048 to 16384; 0.07 for
 /// B1 T16384 H8, split); from 256 tokens a sequence it has four chunks or more. cfg.algo forces either kernel, and candidate_cfgs lists both for an autotuner.
@@ -158,19 +158,13 @@ inline std::int64_t chunked_split_tokens(std::int64_t T, int splits) {
   return (units + splits - 1) / splits * 64;
 }
 
-/// With gk the chunked kernel scales q and k per channel in each output warp, which costs it
-/// its lead where the recurrent kernel is quick: measured on an H100 (bench/README.md,
-/// 2026-12-05), chunked/recurrent 1.36/1.55 ms at B4 T4096 H16 K=V=128, 1.38/6.05 at B1
-/// T16384 H8, 1.39/1.57 varlen 8 x 2048, but 1.31/1.15 at B8 T2048 H32 K=V=64: gk takes the
-/// chunked kernel from K = 65 (or where it splits sequences: few long ones).
+/// Whether the chunked kernel pays for this problem: sequences of chunked_min_tokens or more.
+/// gk included: measured on an H100 (bench/README.md, 2026-12-05), the chunked kernel takes
+/// 0.95 / 1.54 ms (recurrent) at B4 T4096 H16 K=V=128, 0.59 / 1.14 at B8 T2048 H32 K=V=64,
+/// 0.74 / 6.05 at B1 T16384 H8 and 1.00 / 1.56 varlen 8 x 2048.
 inline bool chunked_pays(const problem& p) {
   const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
-  if (chunked_min_tokens <= 0 || per_seq < chunked_min_tokens) return false;
-  if (p.has(gate_gk) && p.K <= 64) {
-    const int widest = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
-    return chunked_splits(p, widest) > 1;
-  }
-  return true;
+  return chunked_min_tokens > 0 && per_seq >= chunked_min_tokens;
 }
 
 }  // namespace detail
