@@ -178,6 +178,16 @@ __device__ __forceinline__ float2 unpack2(unsigned x) {
   }
 }
 
+/// 2^x by the MUFU instruction alone (ex2.approx.ftz: about 2 ulp; results below 2^-126 flush
+/// to 0, which a decay factor that small is at SPEC 6's tolerances). exp2f adds a range check
+/// and two multiplies for subnormal results: a third of the gk kernel's instructions went to
+/// those in an H100 profile (2026-12-05).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
@@ -386,16 +396,31 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
     cp_async_commit();
   };
-  // The scalar gate of a lane's tokens (lane * TPL + e) of chunk c; 0 past the sequence end.
+  // The scalar gate of a lane's tokens (lane * TPL + e) of chunk c, as the bits of its dtype
+  // (0 past the sequence end), converted by g_value where the next chunk uses it: a conversion
+  // at the load made every warp wait there for global memory once a chunk (H100 profile of g,
+  // 2026-12-05). Doubles are converted at the load (rounded to float, as before).
   constexpr int TPL = C / 32;
-  auto load_g = [&](std::int64_t c, float (&x)[TPL]) {
+  auto load_g = [&](std::int64_t c, unsigned (&x)[TPL]) {
 #pragma unroll
     for (int e = 0; e < TPL; ++e) {
       const int l = lane * TPL + e;
-      x[e] = 0.f;
-      if (has_g && c * C + l < len)
-        x[e] = load_any<float>(p.g, p.g_type, bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2);
+      x[e] = 0u;
+      if (has_g && c * C + l < len) {
+        const std::int64_t i = bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2;
+        switch (p.g_type) {
+          case dtype::bfloat16:
+          case dtype::float16: x[e] = static_cast<const std::uint16_t*>(p.g)[i]; break;
+          case dtype::float64: x[e] = __float_as_uint(float(static_cast<const double*>(p.g)[i])); break;
+          default: x[e] = static_cast<const unsigned*>(p.g)[i]; break;
+        }
+      }
     }
+  };
+  auto g_value = [&](unsigned x) -> float {
+    if (p.g_type == dtype::bfloat16) return __uint_as_float(x << 16);
+    if (p.g_type == dtype::float16) return __half2float(__ushort_as_half((unsigned short)x));
+    return __uint_as_float(x);
   };
   // One barrier of all NW warps. The two roles run separate loops (each keeps only its own
   // registers live), so the barrier is a named one that the roles reach from two different
@@ -408,9 +433,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // The chunk loop of one role: every warp stages its share of chunk c + 1, loads the gates
   // and scans the chunk's decays for itself; then the role's work.
   auto chunk_loop = [&](auto&& work) {
-    float gnext[TPL];
+    unsigned gnext[TPL];
 #pragma unroll
-    for (int e = 0; e < TPL; ++e) gnext[e] = 0.f;
+    for (int e = 0; e < TPL; ++e) gnext[e] = 0u;
     if (c_lo < c_hi) {
       issue_stage(c_lo);
       if (GATED) load_g(c_lo, gnext);
@@ -419,7 +444,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       const int buf = int(c & 1);
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      float gcur[TPL];
+      unsigned gcur[TPL];
 #pragma unroll
       for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
       cp_async_wait<0>();
@@ -441,7 +466,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
 #pragma unroll
         for (int e = 0; e < TPL; ++e) {
           const int l = lane * TPL + e;
-          const double x = l < cl ? gamma + double(gcur[e]) : 0.0;
+          const double x = l < cl ? gamma + double(g_value(gcur[e])) : 0.0;
           z[e] = x < -1e4 ? 1 : 0;
           y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
           s += y[e];
@@ -472,8 +497,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           seg += z[e];
           sG[l] = float(G) * kLog2e;
           sSeg[l] = seg;
-          sFi[l] = seg == 0 ? exp2f(float(G) * kLog2e) : 0.f;
-          sFc[l] = seg == segC ? exp2f(float(GC - G) * kLog2e) : 0.f;
+          sFi[l] = seg == 0 ? fast_exp2(float(G) * kLog2e) : 0.f;
+          sFc[l] = seg == segC ? fast_exp2(float(GC - G) * kLog2e) : 0.f;
         }
         __syncwarp();
       }
@@ -669,7 +694,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       if constexpr (GATED) {
-        const float f = segC == 0 ? exp2f(GC2) : 0.f;
+        const float f = segC == 0 ? fast_exp2(GC2) : 0.f;
 #pragma unroll
         for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
@@ -687,7 +712,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           for (int hh = 0; hh < 2; ++hh) {
             const int a = 16 * (sw + NWS * ms) + r4 + 8 * hh;
             bc[ms][hh] = a < Kp ? tb[(C - 1) * ldb + a] : 0.f;
-            const float f = exp2f(bc[ms][hh]);
+            const float f = fast_exp2(bc[ms][hh]);
 #pragma unroll
             for (int nt = 0; nt < NB; ++nt) {
               S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
@@ -722,8 +747,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             for (int r = 0; r < 4; ++r) {
               const int a = 16 * mt + r4 + 8 * (r & 1), j = 16 * kt + c4 + 8 * (r >> 1);
               const float2 x = unpack2<T>(ka[ms][r]);
-              const float fa = exp2f(bc[ms][r & 1] - tb[j * ldb + a]);
-              const float fb = exp2f(bc[ms][r & 1] - tb[(j + 1) * ldb + a]);
+              const float fa = fast_exp2(bc[ms][r & 1] - tb[j * ldb + a]);
+              const float fb = fast_exp2(bc[ms][r & 1] - tb[(j + 1) * ldb + a]);
               ka[ms][r] = pack2<T>(fa == 0.f ? 0.f : x.x * fa, fb == 0.f ? 0.f : x.y * fb);
             }
           }
@@ -848,7 +873,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           const int i = 16 * mi + r4 + 8 * (r & 1), a = 16 * ks + c4 + 8 * (r >> 1);
           const float2 x = unpack2<T>(qa[r]);
           const float2 b = *reinterpret_cast<const float2*>(tb + i * ldb + a);
-          qi[r] = pack2<bfloat16>(x.x * exp2f(b.x - bref[r >> 1][0]), x.y * exp2f(b.y - bref[r >> 1][1]));
+          qi[r] = pack2<bfloat16>(x.x * fast_exp2(b.x - bref[r >> 1][0]), x.y * fast_exp2(b.y - bref[r >> 1][1]));
         }
 #pragma unroll
         for (int np = 0; np < nM; ++np) {
@@ -860,7 +885,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             const int j = 16 * np + r4 + 8 * (m >> 1), a = 16 * ks + c4 + 8 * (m & 1);
             const float2 x = unpack2<T>(kb[m]);
             const float2 b = *reinterpret_cast<const float2*>(tb + j * ldb + a);
-            kb[m] = pack2<bfloat16>(x.x * exp2f(bref[m & 1][0] - b.x), x.y * exp2f(bref[m & 1][1] - b.y));
+            kb[m] = pack2<bfloat16>(x.x * fast_exp2(bref[m & 1][0] - b.x), x.y * fast_exp2(bref[m & 1][1] - b.y));
           }
           mma16816<bfloat16>(A[2 * np], qi, kb[0], kb[1]);
           mma16816<bfloat16>(A[2 * np + 1], qi, kb[2], kb[3]);
@@ -871,7 +896,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             const int i = 16 * mi + r4 + 8 * (r & 1), a = 16 * ks + c4 + 8 * (r >> 1);
             const float2 x = unpack2<T>(qa[r]);
             const float2 b = *reinterpret_cast<const float2*>(tb + i * ldb + a);
-            qa[r] = pack2<T>(x.x * exp2f(b.x), x.y * exp2f(b.y));
+            qa[r] = pack2<T>(x.x * fast_exp2(b.x), x.y * fast_exp2(b.y));
           }
         }
       } else {
@@ -922,7 +947,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int i = hh ? i_hi : i_lo;
-            const float m = segi[hh] == segj ? exp2f(Gi[hh] - Gj) : 0.f;
+            const float m = segi[hh] == segj ? fast_exp2(Gi[hh] - Gj) : 0.f;
             const float a = A[t][2 * hh + e];
             A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
           }
@@ -948,8 +973,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
                     const float2 qx = unpack2<T>(qp[a2]), kx = unpack2<T>(kp[a2]);
                     const float2 bi = *reinterpret_cast<const float2*>(tb + i * ldb + 2 * a2);
                     const float2 bj = *reinterpret_cast<const float2*>(tb + j * ldb + 2 * a2);
-                    acc = fmaf(qx.x * kx.x, exp2f(bi.x - bj.x), acc);
-                    acc = fmaf(qx.y * kx.y, exp2f(bi.y - bj.y), acc);
+                    acc = fmaf(qx.x * kx.x, fast_exp2(bi.x - bj.x), acc);
+                    acc = fmaf(qx.y * kx.y, fast_exp2(bi.y - bj.y), acc);
                   }
                 }
                 A[t][2 * hh + e] = acc;
