@@ -654,26 +654,31 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if (lane == 0) flag_ptr(int(c & 1))[sw] = bits;
       (void)tb;
     };
-    // gk rows of chunk c into their stage (when the layout has one): state warp sw copies rows
-    // sw, sw + 8, ..., a lane a 16-byte unit (zero past K and past the sequence end); the scan
-    // waits for its own copies and then for every state warp's (named barrier 2).
+    // gk rows of chunk c into their stage (when the layout has one): each state warp copies
+    // the columns it scans itself (its 16-channel row tiles, every token; a lane a 16-byte unit,
+    // zero past K and past the sequence end), so the scan waits for its own warp's copies only.
     auto issue_gk = [&](std::int64_t c) {
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      const int es = p.gk.es, units = int(L.gk_pitch / 16) - 1, real16 = p.K * es / 2;
+      const int es = p.gk.es, real16 = p.K * es / 2;  // (16-bit units of a row)
       unsigned char* rows = chunked_smem + L.off_gks;
-      for (int l = sw; l < C; l += NWS) {
-        const std::int64_t t = tok(i0 + (l < cl ? l : 0));
-        for (int u = lane; u < units; u += 32)
-          stage_unit(rows + l * L.gk_pitch + 16 * u, p.gk, (gk_base + t * p.gk.s1) * (es / 2) + 8 * u,
-                     l < cl ? min(8, real16 - 8 * u) : 0);
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms) {
+        const int a0 = 16 * (sw + NWS * ms);
+        if (a0 >= Kp) continue;  // (warp-uniform)
+        for (int e = lane; e < C * es; e += 32) {  // es units of 16 bytes hold 16 channels
+          const int l = e / es, u = e - l * es, first = a0 * es / 2 + 8 * u;
+          const std::int64_t t = tok(i0 + (l < cl ? l : 0));
+          stage_unit(rows + l * L.gk_pitch + 2 * first, p.gk, (gk_base + t * p.gk.s1) * (es / 2) + first,
+                     l < cl ? min(8, real16 - first) : 0);
+        }
       }
       cp_async_commit();
     };
     auto staged_scan = [&](std::int64_t c, float* tb) {
       if (L.gks_bytes) {
         cp_async_wait<0>();
-        asm volatile("barrier.sync 2, %0;\n" ::"n"(32 * NWS) : "memory");
+        __syncwarp();  // (the copies of the warp's other lanes)
       }
       scan_gk(c, tb);
     };
