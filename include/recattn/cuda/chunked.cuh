@@ -50,7 +50,11 @@
 //
 // gk (GATE = chunked_gk_decay; g and g_gamma folded in): the decay is per key channel a, so G
 // becomes a table B[i][a] (log2 units) that the state warps scan for chunk c + 1 while chunk c
-// is computed (double buffered beside S~, so the one barrier still orders everything):
+// is computed (double buffered beside S~, so the one barrier still orders everything). The
+// gk rows of chunk c + 1 (16- and 32-bit gk) are copied into shared memory by cp.async at the
+// start of chunk c, each state warp the 16-channel columns it scans (so it waits for its own
+// copies only); a scan that loaded them itself waited for each of its 32 loads in turn (H100
+// profile, 2026-12-05: gk 1.36 -> 0.95 ms at B4 T4096 H16):
 //   o_i = scale * ( (q_i e^{B_i}) S  +  sum_{j<=i} (q_i e^{B_i - B_r} . k_j e^{B_r - B_j}) v_j )
 //   S  <- diag(e^{B_C}) S + sum_j (k_j e^{B_C - B_j})^T v_j
 // with r the row before the query's 16-row tile (fla's sub-chunking): for key tiles before the
