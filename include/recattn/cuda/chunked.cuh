@@ -593,8 +593,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           }
         };
         if (L.gks_bytes) {
-          // From the rows staged in shared memory (issue_gk; every state warp's copies waited
-          // for before the scan).
+          // From the rows staged in shared memory (issue_gk: the warp's own columns, its own
+          // copies waited for before the scan).
           const unsigned char* rows = chunked_smem + L.off_gks;
           auto read_rows = [&](auto tag) {
             using G = typename decltype(tag)::type;
