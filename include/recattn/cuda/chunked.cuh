@@ -569,8 +569,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       for (int ms = 0; ms < MS; ++ms) {
         const int ch = 16 * (sw + NWS * ms) + chl;
         if (16 * (sw + NWS * ms) >= Kp) continue;  // (warp-uniform)
-        // The loads of the lane's tokens, all issued before the first is used (the dtype
-        // switch outside the loop: one latency a chunk, not one a token).
+        // The lane's gk values: from the stage for 16- and 32-bit gk (issue_gk); doubles are
+        // loaded here, each conversion in its load's branch, so each load is waited for in
+        // turn (the latency-bound path the stage replaced for the other dtypes).
         float x[HT];
         const bool lane_real = ch < p.K;
         const std::int64_t g_base = bidx * p.g_s0 + std::int64_t(h) * p.g_s2;
