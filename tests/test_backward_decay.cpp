@@ -25,8 +25,11 @@ TEST_CASE("backward: strong, mixed, moderate and growing decays match the refere
   const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
   const int law_index = GENERATE(0, 1, 2, 3);
   const int chunk = GENERATE(0, 1, 5);  // 0: the heuristic
+  // K = 9, V = 17 take the general staging; whole registers the one-pass float staging.
+  const bool whole = GENERATE(false, true);
+  const std::int64_t W = recattn::cpu::simd_width<float>();
   problem_spec s;
-  s.B = 2, s.T = 300, s.Hq = s.Hk = s.Hv = 2, s.K = 9, s.V = 17;
+  s.B = 2, s.T = 300, s.Hq = s.Hk = s.Hv = 2, s.K = whole ? 2 * W : 9, s.V = whole ? W : 17;
   s.gates = gates;
   s.initial_state = true;
   s.seed = 700 + gates + 16 * unsigned(law_index);
@@ -72,8 +75,10 @@ TEST_CASE("backward: zero decays (gate -inf, or one whose exp underflows) match 
   const unsigned gates = GENERATE(from_range(std::begin(decaying_gate_sets), std::end(decaying_gate_sets)));
   const double zero_gate = GENERATE(-std::numeric_limits<double>::infinity(), -200.0);
   const std::int64_t t0 = GENERATE(0, 1, 31, 32, 45, 99);
+  const bool whole = GENERATE(false, true);  // (as above)
+  const std::int64_t W = recattn::cpu::simd_width<float>();
   problem_spec s;
-  s.B = 1, s.T = 100, s.Hq = s.Hk = s.Hv = 2, s.K = 12, s.V = 20;
+  s.B = 1, s.T = 100, s.Hq = s.Hk = s.Hv = 2, s.K = whole ? W : 12, s.V = whole ? 2 * W : 20;
   s.gates = gates;
   s.initial_state = true;
   s.seed = 177 + gates;

@@ -27,6 +27,34 @@ TEST_CASE("backward: every gradient matches the double reference for all gate co
   }
 }
 
+TEST_CASE("backward: K and V of whole SIMD registers (the one-pass float staging) match the reference",
+          "[backward][reference]") {
+  // Float inputs whose K and V are whole registers, without gv, take each sweep's one-pass
+  // staging (cpu/backward.hpp, stage_one_pass); random_spec's K and V rarely are.
+  const std::int64_t W = recattn::cpu::simd_width<float>();
+  rng r(20261205);
+  for (unsigned gates = 0; gates < 16; ++gates) {
+    for (int rep = 0; rep < 6; ++rep) {
+      problem_spec s = random_spec(r, gates, dtype::float32);
+      s.K = W * r.integer(1, 3);
+      s.V = W * r.integer(1, 3);
+      const problem_data d = generate(s);
+      forward_options o = d.options();
+      o.reverse = rep % 2 == 1;
+      if (rep >= 2) {
+        cfg c;
+        c.chunk = rep >= 4 ? 1 : 3;
+        o.cfg = c;
+      }
+      const incoming in = make_incoming(s, rep % 3 == 0, s.seed + 1);
+      INFO(s.str() << (o.reverse ? " reverse" : "") << " rep " << rep);
+      const grad_errors e = compare(run_backward(d, o, in), run_reference_backward(d, o, in));
+      INFO(e.str());
+      CHECK(e.max() < grad_tolerance(s.type));
+    }
+  }
+}
+
 TEST_CASE("backward: every gradient stays within 1e-4 of the double reference for T = 16384", "[backward][reference][long]") {
   // SPEC §6 at its longest sequence, for every gate gradient: the telescoped gate sums and the
   // g_gamma tangent (cpu/backward.hpp) keep their error at ~1e-5 here, with weak

@@ -70,6 +70,10 @@
 // Within a chunk of staged tokens, register tiles of the state stay in registers, and grouped
 // heads sum into a float chunk buffer before one write, so bfloat16 outputs are rounded once.
 // dq, dk, dv rows are written with non-temporal stores where the dtype and alignment allow.
+// Float inputs whose K and V are whole SIMD registers (and a float gk, no gv) are staged in
+// one pass per row (stage_one_pass: loads, decay, segment bound and rescaling together), with
+// the rows of the token RECATTN_CPU_BWD_STAGE_AHEAD ahead prefetched as each head is staged;
+// the other inputs by the general staging (a pass per step, no prefetch).
 #pragma once
 
 #include <algorithm>
@@ -122,6 +126,12 @@
 // (4 KiB per tensor and token on shape a) it measured slower here (bench/README.md).
 #ifndef RECATTN_CPU_BWD_PREFETCH
 #define RECATTN_CPU_BWD_PREFETCH 0
+#endif
+
+// Prefetch distance, in tokens, of the one-pass float staging: while staging token i it
+// prefetches the rows of token i + RECATTN_CPU_BWD_STAGE_AHEAD (in sweep order; 0: none).
+#ifndef RECATTN_CPU_BWD_STAGE_AHEAD
+#define RECATTN_CPU_BWD_STAGE_AHEAD 2
 #endif
 
 // Budget for the matrices of the heads one work item holds (see backward_plan): the
@@ -502,6 +512,28 @@ inline void load_state(const problem& p, const strided3& st, std::int64_t n, std
     }
 }
 
+/// Whether a sweep can stage its rows in one pass (stage_one_pass): float inputs (and a float
+/// gk, and no value-side decay, which the one-pass staging does not do), rows of whole
+/// registers (`whole`).
+template <class T, class Acc>
+inline bool one_pass_rows(const problem& p, bool gv_decay, bool whole) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float>)
+    return !gv_decay && whole && (!p.has(gate_gk) || p.gk.type == dtype::float32);
+  else
+    return false;
+}
+
+/// Prefetches the lines of one row (the one-pass staging, RECATTN_CPU_BWD_STAGE_AHEAD).
+inline void prefetch_row(const void* p, std::int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+  __builtin_prefetch(c + bytes - 1, 0, 3);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(a, b) * b; }
 
 }  // namespace detail
@@ -537,7 +569,8 @@ struct carver {
 /// the decay products of its segment (runr [Kp], runc [Vp]) and the decays of the token
 /// processed last (pendr, pendc). Per head, a staged chunk in sweep order: q * scale,
 /// k, v, dO as given; their rescaled forms q' = q / Pr, k'' = k * Pr, v'' = v * Pc,
-/// dO' = dO / Pc; the products Pr, Pc of each token; the segment-start factors; starts;
+/// dO' = dO / Pc; the products Pr, Pc of each token; the segment-start factors; one token's
+/// decays (dr, dc) and the products before it (prev: the one-pass staging); starts;
 /// dk', dv' of the head and dk, dv of the head groups; the lane partials of dk'. Then the
 /// rounding carries of the gate terms (double).
 template <class Acc>
@@ -545,7 +578,7 @@ struct sweep_b_buffers {
   Acc *S, *runr, *pendr, *runc, *pendc;
   Acc *qs, *ks, *q1, *k2, *rr, *fr1, *fr2;
   Acc *vs, *dos, *v2, *do1, *rc, *fc1, *fc2;
-  Acc *dr, *dc, *starts, *dkh, *dvh, *dkg, *dvg, *kpart;
+  Acc *dr, *dc, *prev, *starts, *dkh, *dvh, *dkg, *dvg, *kpart;
   double* run;
   std::size_t bytes;
   sweep_b_buffers(Acc* base, std::int64_t W, std::int64_t Gh, std::int64_t K, std::int64_t V, std::int64_t Kp,
@@ -560,7 +593,7 @@ struct sweep_b_buffers {
     vs = take(Gh * C * Vp), dos = take(Gh * C * Vp);
     v2 = take(c * Gh * C * Vp), do1 = take(c * Gh * C * Vp), rc = take(c * Gh * C * Vp);
     fc1 = take(c * Gh * C * Vp), fc2 = take(c * Gh * C * Vp);
-    dr = take(Kp), dc = take(Vp), starts = take(Gh * round_up(C, W));
+    dr = take(Kp), dc = take(Vp), prev = take(r * Kp), starts = take(Gh * round_up(C, W));
     dkh = take(C * Kp), dvh = take(C * Vp), dkg = take(nk * C * Kp), dvg = take(nv * C * Vp), kpart = take(C * Kp * W);
     run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
     bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gh * (K + V + 1)) + 63) / 64 * 64;
@@ -571,14 +604,15 @@ struct sweep_b_buffers {
 /// g_gamma tangent R'), the decay products of its segment (runr [Vp] over value rows: g,
 /// g_gamma, gv; runc [bk] over key columns: gk). Per head, a staged chunk: dO * scale, v,
 /// k, q as given; dO'' = dO * Pr, v' = v / Pr, k' = k / Pc, q'' = q * Pc; the products; the
-/// segment-start factors; starts; dq' of the head (and R dO), dq of the group, o' and its lane
+/// segment-start factors; one token's decays (er, ec) and the products before it (prevr,
+/// prevc: the one-pass staging); starts; dq' of the head (and R dO), dq of the group, o' and its lane
 /// partials. Then the running sums (double).
 template <class Acc>
 struct sweep_a_buffers {
   Acc *S, *Rt, *runr, *runc;
   Acc *dos, *vs, *do2, *v1, *cr, *fr1, *fr2;
   Acc *ks, *qs, *k1, *q2, *cc, *fc1, *fc2;
-  Acc *er, *ec, *starts, *dqh, *dqg, *rqh, *oh, *opart;
+  Acc *er, *ec, *prevr, *prevc, *starts, *dqh, *dqg, *rqh, *oh, *opart;
   double* run;
   std::size_t bytes;
   sweep_a_buffers(Acc* base, std::int64_t W, std::int64_t Gh, std::int64_t nq, std::int64_t V, std::int64_t Vp,
@@ -592,7 +626,7 @@ struct sweep_a_buffers {
     ks = take(Gh * C * bk), qs = take(Gh * C * bk);
     k1 = take(c * Gh * C * bk), q2 = take(c * Gh * C * bk), cc = take(c * Gh * C * bk);
     fc1 = take(c * Gh * C * bk), fc2 = take(c * Gh * C * bk);
-    er = take(Vp), ec = take(bk), starts = take(Gh * round_up(C, W));
+    er = take(Vp), ec = take(bk), prevr = take(r * Vp), prevc = take(c * bk), starts = take(Gh * round_up(C, W));
     dqh = take(C * bk), dqg = take(nq * C * bk), rqh = take(nr * C * bk), oh = take(C * Vp), opart = take(C * Vp * W);
     run = base ? reinterpret_cast<double*>(base + take.off) : nullptr;
     bytes = (sizeof(Acc) * take.off + sizeof(double) * std::size_t(Gh * (bk + V + 2)) + 63) / 64 * 64;
@@ -841,6 +875,89 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         }
       }
     };
+    // `stage` in one pass per row for float inputs (and float gk) whose K and V are whole
+    // registers, without gv: q, k, v, dO read in place with SIMD loads, the decay
+    // exponentiated, the segment bound checked and the rescaling applied in the same pass,
+    // assuming the token starts no segment; the rare token that does is redone. The
+    // arithmetic is stage's, operation for operation (the forward's stage_group_float).
+    const bool one_pass_b = d::one_pass_rows<T, Acc>(p, b_col, K == Kp && V == Vp);
+    auto stage_one_pass = [&](std::int64_t hl, std::int64_t u, std::int64_t t, std::int64_t ta) {
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float> && !b_col) {
+        using B = xsimd::batch<Acc, arch>;
+        const std::int64_t h = hb + hl;
+        if (RECATTN_CPU_BWD_STAGE_AHEAD > 0 && ta >= 0) {
+          d::prefetch_row(qd + p.q.offset(bidx, ta, h / gq), K * 4);
+          d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh), K * 4);
+          d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
+          d::prefetch_row(dod + bp.d_out.offset(bidx, ta, h), V * 4);
+          if constexpr (Policy::has_gk) d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h), K * 4);
+        }
+        const float* qsrc = qd + p.q.offset(bidx, t, h / gq);
+        const float* ksrc = kd + p.k.offset(bidx, t, h / gkh);
+        const float* vsrc = vd + p.v.offset(bidx, t, h / gvh);
+        const float* dsrc = dod + bp.d_out.offset(bidx, t, h);
+        Acc* qr = sb.qs + hl * CK + u * Kp;
+        Acc* kr = sb.ks + hl * CK + u * Kp;
+        Acc* vr = sb.vs + hl * CV + u * Vp;
+        Acc* dr = sb.dos + hl * CV + u * Vp;
+        for (std::int64_t j = 0; j < V; j += W) {
+          B::load_unaligned(vsrc + j).store_aligned(vr + j);
+          B::load_unaligned(dsrc + j).store_aligned(dr + j);
+        }
+        const B scaleb(scale);
+        if constexpr (!b_row) {
+          for (std::int64_t a = 0; a < K; a += W) {
+            (B::load_unaligned(qsrc + a) * scaleb).store_aligned(qr + a);
+            B::load_unaligned(ksrc + a).store_aligned(kr + a);
+          }
+        } else {
+          Acc g0 = gamma_of(n, h);
+          if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+          const B g0b(g0);
+          B dconst(Acc(0));
+          if constexpr (!Policy::has_gk) dconst = B(Acc(std::exp(g0)));
+          const float* gsrc = nullptr;
+          if constexpr (Policy::has_gk) gsrc = static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, t, h);
+          Acc* runr = sb.runr + hl * Kp;
+          Acc* pendr = sb.pendr + hl * Kp;
+          const std::int64_t o = hl * CK + u * Kp;
+          const B lob(lo), hib(hi);
+          auto bad = B(Acc(0)) != B(Acc(0));
+          for (std::int64_t a = 0; a < K; a += W) {
+            const B q = B::load_unaligned(qsrc + a) * scaleb, k = B::load_unaligned(ksrc + a);
+            q.store_aligned(qr + a);
+            k.store_aligned(kr + a);
+            B dn = dconst;
+            if constexpr (Policy::has_gk) dn = xsimd::exp(B::load_unaligned(gsrc + a) + g0b);
+            const B r = B::load_aligned(runr + a), pd = B::load_aligned(pendr + a);
+            const B x = r * pd;
+            bad = bad | (x < lob) | (x > hib);
+            r.store_aligned(sb.prev + a);
+            pd.store_aligned(sb.dr + a);
+            dn.store_aligned(pendr + a);
+            x.store_aligned(runr + a);
+            x.store_aligned(sb.rr + o + a);
+            (k * x).store_aligned(sb.k2 + o + a);
+            (q / x).store_aligned(sb.q1 + o + a);
+          }
+          const bool start = xsimd::any(bad);
+          sb.starts[hl * CS + u] = start ? Acc(1) : Acc(0);
+          if (start) {  // the pending decay goes to the true adjoint; the products restart at 1
+            const B one(Acc(1));
+            for (std::int64_t a = 0; a < K; a += W) {
+              B::load_aligned(sb.prev + a).store_aligned(sb.fr1 + o + a);
+              B::load_aligned(sb.dr + a).store_aligned(sb.fr2 + o + a);
+              one.store_aligned(runr + a);
+              one.store_aligned(sb.rr + o + a);
+              (B::load_aligned(kr + a) * one).store_aligned(sb.k2 + o + a);
+              (B::load_aligned(qr + a) / one).store_aligned(sb.q1 + o + a);
+            }
+          }
+        }
+      } else {
+        (void)hl, (void)u, (void)t, (void)ta;
+      }
+    };
     // Queues the rows that chunk ci's staging reads, tensor by tensor so that the rows of
     // consecutive heads merge into one span.
     auto plan_prefetch = [&](std::int64_t ci) {
@@ -869,7 +986,12 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
       std::fill_n(sb.dvg, nvg * C * Vp, Acc(0));
       for (std::int64_t u = 0; u < cl; ++u) {
         const std::int64_t t = seq.template token<Policy::reverse>(i0 + cl - 1 - u);
-        for (std::int64_t hl = 0; hl < Gbh; ++hl) stage(hl, u, t);
+        const std::int64_t ia = i0 + cl - 1 - u - RECATTN_CPU_BWD_STAGE_AHEAD;
+        const std::int64_t ta = ia >= 0 ? seq.template token<Policy::reverse>(ia) : -1;
+        if (one_pass_b)
+          for (std::int64_t hl = 0; hl < Gbh; ++hl) stage_one_pass(hl, u, t, ta);
+        else
+          for (std::int64_t hl = 0; hl < Gbh; ++hl) stage(hl, u, t);
       }
       // The next chunk's rows arrive while this one's adjoints run.
       if (RECATTN_CPU_BWD_PREFETCH) plan_prefetch(ci - 1);
@@ -1060,6 +1182,99 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         }
       }
     };
+    // `stage` in one pass per row, as sweep B's stage_one_pass (float inputs and gk, whole
+    // registers, no gv).
+    const bool one_pass_a = d::one_pass_rows<T, Acc>(p, Policy::has_gv, K == Kp && V == Vp);
+    auto stage_one_pass = [&](std::int64_t hl, std::int64_t l, std::int64_t t, std::int64_t ta) {
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float> && !Policy::has_gv) {
+        using B = xsimd::batch<Acc, arch>;
+        const std::int64_t h = hb + hl;
+        if (RECATTN_CPU_BWD_STAGE_AHEAD > 0 && ta >= 0) {
+          d::prefetch_row(dod + bp.d_out.offset(bidx, ta, h), V * 4);
+          d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
+          d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh) + a0, w * 4);
+          d::prefetch_row(qd + p.q.offset(bidx, ta, h / gq) + a0, w * 4);
+          if constexpr (a_col) d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h) + a0, w * 4);
+        }
+        const float* dsrc = dod + bp.d_out.offset(bidx, t, h);
+        const float* vsrc = vd + p.v.offset(bidx, t, h / gvh);
+        const float* ksrc = kd + p.k.offset(bidx, t, h / gkh) + a0;
+        const float* qsrc = qd + p.q.offset(bidx, t, h / gq) + a0;
+        Acc* dr = sa.dos + hl * CV + l * Vp;
+        Acc* vr = sa.vs + hl * CV + l * Vp;
+        Acc* kr = sa.ks + hl * CB + l * wp;
+        Acc* qr = sa.qs + hl * CB + l * wp;
+        const B scaleb(scale), lob(lo), hib(hi), one(Acc(1));
+        auto bad = B(Acc(0)) != B(Acc(0));
+        const std::int64_t orow = hl * CV + l * Vp, ocol = hl * CB + l * wp;
+        Acc* runr = a_row ? sa.runr + hl * Vp : nullptr;
+        Acc* runc = a_col ? sa.runc + hl * bk : nullptr;
+        B e(Acc(0));
+        if constexpr (a_row) {
+          Acc g0 = gamma_of(n, h);
+          if constexpr (Policy::has_g) g0 += load_as<Acc>(p.g.data, p.g.type, p.g.offset(bidx, t, h));
+          e = B(Acc(std::exp(g0)));
+        }
+        for (std::int64_t j = 0; j < V; j += W) {
+          const B dO = B::load_unaligned(dsrc + j) * scaleb, v = B::load_unaligned(vsrc + j);
+          dO.store_aligned(dr + j);
+          v.store_aligned(vr + j);
+          if constexpr (a_row) {
+            const B r = B::load_aligned(runr + j), x = r * e;
+            bad = bad | (x < lob) | (x > hib);
+            r.store_aligned(sa.prevr + j);
+            x.store_aligned(runr + j);
+            x.store_aligned(sa.cr + orow + j);
+            (dO * x).store_aligned(sa.do2 + orow + j);
+            (v / x).store_aligned(sa.v1 + orow + j);
+          }
+        }
+        const float* gsrc = nullptr;
+        if constexpr (a_col) gsrc = static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, t, h) + a0;
+        for (std::int64_t a = 0; a < w; a += W) {
+          const B k = B::load_unaligned(ksrc + a), q = B::load_unaligned(qsrc + a);
+          k.store_aligned(kr + a);
+          q.store_aligned(qr + a);
+          if constexpr (a_col) {
+            const B ea = xsimd::exp(B::load_unaligned(gsrc + a) + B(Acc(0)));
+            const B r = B::load_aligned(runc + a), x = r * ea;
+            bad = bad | (x < lob) | (x > hib);
+            r.store_aligned(sa.prevc + a);
+            ea.store_aligned(sa.ec + a);
+            x.store_aligned(runc + a);
+            x.store_aligned(sa.cc + ocol + a);
+            if (plan.need_o) (q * x).store_aligned(sa.q2 + ocol + a);
+            (k / x).store_aligned(sa.k1 + ocol + a);
+          }
+        }
+        if constexpr (a_decay) {
+          const bool start = xsimd::any(bad);
+          sa.starts[hl * CS + l] = start ? Acc(1) : Acc(0);
+          if (start) {  // the token's decays go to the true state; the products restart at 1
+            if constexpr (a_row)
+              for (std::int64_t j = 0; j < V; j += W) {
+                B::load_aligned(sa.prevr + j).store_aligned(sa.fr1 + orow + j);
+                e.store_aligned(sa.fr2 + orow + j);
+                one.store_aligned(runr + j);
+                one.store_aligned(sa.cr + orow + j);
+                (B::load_aligned(dr + j) * one).store_aligned(sa.do2 + orow + j);
+                (B::load_aligned(vr + j) / one).store_aligned(sa.v1 + orow + j);
+              }
+            if constexpr (a_col)
+              for (std::int64_t a = 0; a < w; a += W) {
+                B::load_aligned(sa.prevc + a).store_aligned(sa.fc1 + ocol + a);
+                B::load_aligned(sa.ec + a).store_aligned(sa.fc2 + ocol + a);
+                one.store_aligned(runc + a);
+                one.store_aligned(sa.cc + ocol + a);
+                if (plan.need_o) (B::load_aligned(qr + a) * one).store_aligned(sa.q2 + ocol + a);
+                (B::load_aligned(kr + a) / one).store_aligned(sa.k1 + ocol + a);
+              }
+          }
+        }
+      } else {
+        (void)hl, (void)l, (void)t, (void)ta;
+      }
+    };
     // Queues the rows that the staging of the chunk at ni0 reads, tensor by tensor.
     auto plan_prefetch = [&](std::int64_t ni0) {
       pq.clear();
@@ -1088,7 +1303,12 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
       std::fill_n(sa.dqg, plan.Ma * C * bk, Acc(0));
       for (std::int64_t l = 0; l < cl; ++l) {
         const std::int64_t t = seq.template token<Policy::reverse>(i0 + l);
-        for (std::int64_t hl = 0; hl < Gah; ++hl) stage(hl, l, t);
+        const std::int64_t ia = i0 + l + RECATTN_CPU_BWD_STAGE_AHEAD;
+        const std::int64_t ta = ia < L ? seq.template token<Policy::reverse>(ia) : -1;
+        if (one_pass_a)
+          for (std::int64_t hl = 0; hl < Gah; ++hl) stage_one_pass(hl, l, t, ta);
+        else
+          for (std::int64_t hl = 0; hl < Gah; ++hl) stage(hl, l, t);
       }
       if (RECATTN_CPU_BWD_PREFETCH) plan_prefetch(i0 + C);
       else pq.clear();
