@@ -890,7 +890,11 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh), K * 4);
           d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
           d::prefetch_row(dod + bp.d_out.offset(bidx, ta, h), V * 4);
-          if constexpr (Policy::has_gk) d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h), K * 4);
+          if constexpr (Policy::has_gk) {
+            d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h), K * 4);
+            // (the row of dgk that this sweep writes the token's gate term into)
+            if (want_k) d::prefetch_row(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h)), K * dtype_size(bp.dgk.type));
+          }
         }
         const float* qsrc = qd + p.q.offset(bidx, t, h / gq);
         const float* ksrc = kd + p.k.offset(bidx, t, h / gkh);
@@ -1194,7 +1198,12 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
           d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
           d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh) + a0, w * 4);
           d::prefetch_row(qd + p.q.offset(bidx, ta, h / gq) + a0, w * 4);
-          if constexpr (a_col) d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h) + a0, w * 4);
+          if constexpr (a_col) {
+            d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h) + a0, w * 4);
+            // (sweep B's gate term, which this sweep reads and overwrites with dgk)
+            if (want_k)
+              d::prefetch_row(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h) + a0), w * dtype_size(bp.dgk.type));
+          }
         }
         const float* dsrc = dod + bp.d_out.offset(bidx, t, h);
         const float* vsrc = vd + p.v.offset(bidx, t, h / gvh);
