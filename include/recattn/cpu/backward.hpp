@@ -523,17 +523,6 @@ inline bool one_pass_rows(const problem& p, bool gv_decay, bool whole) {
     return false;
 }
 
-/// Prefetches the lines of one row (the one-pass staging, RECATTN_CPU_BWD_STAGE_AHEAD).
-inline void prefetch_row(const void* p, std::int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* c = static_cast<const char*>(p);
-  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-  __builtin_prefetch(c + bytes - 1, 0, 3);
-#else
-  (void)p, (void)bytes;
-#endif
-}
-
 inline std::int64_t lcm64(std::int64_t a, std::int64_t b) { return a / std::gcd(a, b) * b; }
 
 }  // namespace detail
@@ -886,14 +875,14 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         using B = xsimd::batch<Acc, arch>;
         const std::int64_t h = hb + hl;
         if (RECATTN_CPU_BWD_STAGE_AHEAD > 0 && ta >= 0) {
-          d::prefetch_row(qd + p.q.offset(bidx, ta, h / gq), K * 4);
-          d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh), K * 4);
-          d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
-          d::prefetch_row(dod + bp.d_out.offset(bidx, ta, h), V * 4);
+          d::prefetch_lines(qd + p.q.offset(bidx, ta, h / gq), K * 4);
+          d::prefetch_lines(kd + p.k.offset(bidx, ta, h / gkh), K * 4);
+          d::prefetch_lines(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
+          d::prefetch_lines(dod + bp.d_out.offset(bidx, ta, h), V * 4);
           if constexpr (Policy::has_gk) {
-            d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h), K * 4);
+            d::prefetch_lines(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h), K * 4);
             // (the row of dgk that this sweep writes the token's gate term into)
-            if (want_k) d::prefetch_row(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h)), K * dtype_size(bp.dgk.type));
+            if (want_k) d::prefetch_lines(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h)), K * dtype_size(bp.dgk.type));
           }
         }
         const float* qsrc = qd + p.q.offset(bidx, t, h / gq);
@@ -1194,15 +1183,15 @@ void backward_kernel(const backward_problem& bp, const cfg& c) {
         using B = xsimd::batch<Acc, arch>;
         const std::int64_t h = hb + hl;
         if (RECATTN_CPU_BWD_STAGE_AHEAD > 0 && ta >= 0) {
-          d::prefetch_row(dod + bp.d_out.offset(bidx, ta, h), V * 4);
-          d::prefetch_row(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
-          d::prefetch_row(kd + p.k.offset(bidx, ta, h / gkh) + a0, w * 4);
-          d::prefetch_row(qd + p.q.offset(bidx, ta, h / gq) + a0, w * 4);
+          d::prefetch_lines(dod + bp.d_out.offset(bidx, ta, h), V * 4);
+          d::prefetch_lines(vd + p.v.offset(bidx, ta, h / gvh), V * 4);
+          d::prefetch_lines(kd + p.k.offset(bidx, ta, h / gkh) + a0, w * 4);
+          d::prefetch_lines(qd + p.q.offset(bidx, ta, h / gq) + a0, w * 4);
           if constexpr (a_col) {
-            d::prefetch_row(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h) + a0, w * 4);
+            d::prefetch_lines(static_cast<const float*>(p.gk.data) + p.gk.offset(bidx, ta, h) + a0, w * 4);
             // (sweep B's gate term, which this sweep reads and overwrites with dgk)
             if (want_k)
-              d::prefetch_row(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h) + a0), w * dtype_size(bp.dgk.type));
+              d::prefetch_lines(gate_row(bp.dgk, bp.dgk.offset(bidx, ta, h) + a0), w * dtype_size(bp.dgk.type));
           }
         }
         const float* dsrc = dod + bp.d_out.offset(bidx, t, h);

@@ -58,6 +58,21 @@ namespace detail {
 
 inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
+/// Prefetches every 64-byte line of [p, p + bytes), the last one included where the range is
+/// not line-aligned; `Write`: the lines will be written (the decode step's state rows), else
+/// read (the backward's staged rows). A no-op where the compiler has no prefetch builtin.
+template <bool Write = false>
+inline void prefetch_lines(const void* p, std::int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  if (bytes <= 0) return;
+  const char* c = static_cast<const char*>(p);
+  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, Write ? 1 : 0, 3);
+  __builtin_prefetch(c + bytes - 1, Write ? 1 : 0, 3);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 template <class T>
 struct aligned_buffer {
   struct deleter { void operator()(T* p) const { std::free(p); } };

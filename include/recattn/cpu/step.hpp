@@ -92,17 +92,6 @@ namespace detail {
 #define RECATTN_CPU_STEP_PREFETCH_ROWS 16
 #endif
 
-/// Prefetches the lines of [p, p + bytes) for writing (no-op where the compiler has no
-/// prefetch builtin).
-inline void prefetch_for_write(const void* p, std::int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* c = static_cast<const char*>(p);
-  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1, 3);
-#else
-  (void)p, (void)bytes;
-#endif
-}
-
 /// Thread-local scratch of n elements, 64-byte aligned; grows, never shrinks.
 template <class E>
 E* thread_scratch(std::size_t n) {
@@ -265,7 +254,7 @@ inline void step_stream(std::int64_t K, const Acc* qs, const Acc* ks, const Acc*
   for (std::int64_t a = 0; a < K; ++a) {
     Storage* srow = S + a * lds;
     if (RECATTN_CPU_STEP_PREFETCH_ROWS > 0 && a + RECATTN_CPU_STEP_PREFETCH_ROWS < K)
-      prefetch_for_write(srow + RECATTN_CPU_STEP_PREFETCH_ROWS * lds, std::int64_t(NV * W * sizeof(Storage)));
+      prefetch_lines<true>(srow + RECATTN_CPU_STEP_PREFETCH_ROWS * lds, std::int64_t(NV * W * sizeof(Storage)));
     const B kb(ks[a]);
     const B qb(qs[a]);
     B db(Acc(1));

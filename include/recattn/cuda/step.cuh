@@ -349,6 +349,7 @@ __global__ void __launch_bounds__(step_max_threads, step_min_blocks) step_kernel
         {
           const key_coef<Acc>* cf = coef + row0;
           const Acc *qa_p = qs + row0, *ka_p = ks + row0, *da_p = dks + row0;
+          (void)cf, (void)qa_p, (void)ka_p, (void)da_p;  // one of the two sets is unused
           const uint4* src = tile + tid;
           uint4* dst = reinterpret_cast<uint4*>(pool + std::int64_t(row0) * s2 + col0);
           const std::int64_t dstep = s2 / VEC;  // a row in 16-byte vectors (s2 % VEC == 0)
