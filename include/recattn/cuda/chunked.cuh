@@ -827,6 +827,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             }
           }
     }
+    // The output role's mbarriers are invalidated at the end (below); this is the state warps'
+    // side of the barrier that orders that after every wait on them.
+    if constexpr (WPM > 1) block_sync();
     return;
   }
 
@@ -1094,6 +1097,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
   });
+  // Invalidate the exchange's mbarriers once every warp of the block is past its last wait on
+  // them (PTX: an mbarrier object is invalidated before its shared memory is used for anything
+  // else; racecheck on an H100, 2026-12-06, reported the next uses of that memory, cp.async
+  // copies into a q/k/v stage, as write-write hazards with the init).
+  if constexpr (WPM > 1) {
+    block_sync();
+    if (out_warp && grp == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(mbar) : "memory");
+  }
   }
 }
 
