@@ -110,6 +110,10 @@ struct chunked_layout {
   // gk in 16 or 32 bits: the chunk's gk rows as given, [C][gk_pitch bytes], copied by cp.async
   // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
   unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
+  // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
+  // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
+  // then one mbarrier (8 bytes) a row tile that orders the exchange.
+  unsigned off_xa = 0, off_mbar = 0;
   std::size_t bytes = 0;
 };
 
@@ -148,7 +152,9 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
     L.gk_pitch = unsigned(L.Kp * gk_es + 16);  // 16 bytes of pad a row (the scan's reads by channel)
     L.gks_bytes = unsigned(align128(std::size_t(C) * L.gk_pitch));
   }
-  L.bytes = std::size_t(L.off_gks) + L.gks_bytes;
+  L.off_xa = unsigned(align128(std::size_t(L.off_gks) + L.gks_bytes));
+  L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32 * 8));
+  L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16) * 8);
   return L;
 }
 
@@ -821,6 +827,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             }
           }
     }
+    // The output role's mbarriers are invalidated at the end (below); this is the state warps'
+    // side of the barrier that orders that after every wait on them.
+    if constexpr (WPM > 1) block_sync();
     return;
   }
 
@@ -830,6 +839,21 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const bool out_warp = warp < nM * WPM;
   const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
   const int nbase = (warp % WPM) * NTW * 8;  // first column of the warp's output
+  // The WPM warps of a row tile (warps grp0 .. grp0 + WPM - 1) each form A over a share of the
+  // key channels [16 ks0, 16 ks1) and add the others' partial sums (shared memory, an mbarrier
+  // each tile): A once a tile, not WPM times (H100 profile, 2026-12-05: the
+  // gk operand scaling, repeated by both warps of a tile, was half of the kernel's instructions).
+  const int grp = warp % WPM, grp0 = warp - grp;
+  const int ks0 = grp * nKt / WPM, ks1 = (grp + 1) * nKt / WPM;
+  // The exchange is ordered by an mbarrier a row tile (arrive, then wait for the phase), not by
+  // a named barrier of the tile's warps: compute-sanitizer's racecheck (H100, 2026-12-05)
+  // reported hazards across the chunk barrier whenever a named barrier of part of the block
+  // was used beside it.
+  const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
+  unsigned xphase = 0;  // the parity of the tile's next exchange
+  if (WPM > 1 && out_warp && grp == 0 && lane == 0)
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mbar), "r"(32 * WPM) : "memory");
+  // (the chunk loop's first barrier orders the init before any arrival)
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
                  const std::uint16_t* sv, float, double, int) {
     if (!out_warp || 16 * mi >= cl) return;
@@ -868,7 +892,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     for (int ks = 0; ks < nKt; ++ks) {
       unsigned qa[4];
       ldsm_x4(qa, qrow + 16 * ks);
+      const bool mine = ks >= ks0 && ks < ks1;
       if constexpr (GK) {
+        if (mine) {
         // Register r of q: row 16 mi + r4 + 8 (r & 1), channels 16 ks + c4 + 8 (r >> 1) + {0, 1};
         // of k (kb[m]): token 16 np + r4 + 8 (m >> 1), channels 16 ks + c4 + 8 (m & 1) + {0, 1}.
         float bref[2][2];
@@ -900,6 +926,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           mma16816<bfloat16>(A[2 * np], qi, kb[0], kb[1]);
           mma16816<bfloat16>(A[2 * np + 1], qi, kb[2], kb[3]);
         }
+        }
         if (inter) {  // the inter-chunk product's operand: q scaled by e^{B_i}
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
@@ -912,7 +939,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       } else {
 #pragma unroll
         for (int np = 0; np < nM; ++np) {
-          if (np > mi) break;
+          if (np > mi || !mine) break;
           unsigned kb[4];
           ldsm_x4(kb, krow + 16 * np * ldk + 16 * ks);
           mma16816<T>(A[2 * np], qa, kb[0], kb[1]);
@@ -932,6 +959,35 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           unsigned sb[2];
           ldsm_x2_t(sb, srow + 16 * ks * ldv);
           mma16816<T>(O[0], qa, sb[0], sb[1]);
+        }
+      }
+    }
+    // The partial sums of the tile's other warps (rounded to the input dtype, as A is for A V).
+    if constexpr (WPM > 1) {
+      uint2* xa = reinterpret_cast<uint2*>(chunked_smem + L.off_xa) + lane;
+#pragma unroll
+      for (int t = 0; t < 2 * nM; ++t) {
+        if (t >= 2 * (mi + 1)) break;
+        xa[(warp * 2 * nM + t) * 32] = make_uint2(pack2<T>(A[t][0], A[t][1]), pack2<T>(A[t][2], A[t][3]));
+      }
+      asm volatile(
+          "{\n .reg .b64 arrived;\n .reg .pred done;\n"
+          " mbarrier.arrive.shared::cta.b64 arrived, [%0];\n"
+          "XCHG_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+          " @!done bra XCHG_WAIT;\n}\n" ::"r"(mbar), "r"(xphase) : "memory");
+      xphase ^= 1u;
+#pragma unroll
+      for (int o = 1; o < WPM; ++o) {
+        const int pw = grp0 + (grp + o) % WPM;
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+          const uint2 x = xa[(pw * 2 * nM + t) * 32];
+          const float2 lo = unpack2<T>(x.x), hi = unpack2<T>(x.y);
+          A[t][0] += lo.x;
+          A[t][1] += lo.y;
+          A[t][2] += hi.x;
+          A[t][3] += hi.y;
         }
       }
     }
@@ -1041,6 +1097,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
   });
+  // Invalidate the exchange's mbarriers once every warp of the block is past its last wait on
+  // them (PTX: an mbarrier object is invalidated before its shared memory is used for anything
+  // else; racecheck on an H100, 2026-12-06, reported the next uses of that memory, cp.async
+  // copies into a q/k/v stage, as write-write hazards with the init).
+  if constexpr (WPM > 1) {
+    block_sync();
+    if (out_warp && grp == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(mbar) : "memory");
+  }
   }
 }
 
