@@ -159,9 +159,9 @@ inline std::int64_t chunked_split_tokens(std::int64_t T, int splits) {
 }
 
 /// Whether the chunked kernel pays for this problem: sequences of chunked_min_tokens or more.
-/// gk included: measured on an H100 (bench/README.md, 2026-12-05 18:50), the chunked kernel
-/// takes 0.70 / 1.53 ms (recurrent) at B4 T4096 H16 K=V=128, 0.46 / 1.14 at B8 T2048 H32
-/// K=V=64, 0.59 / 6.05 at B1 T16384 H8 and 0.74 / 1.56 varlen 8 x 2048.
+/// gk included: measured on an H100 (bench/README.md, 2026-12-06 04:25), the chunked kernel
+/// takes 0.57 / 1.53 ms (recurrent) at B4 T4096 H16 K=V=128, 0.40 / 1.14 at B8 T2048 H32
+/// K=V=64, 0.53 / 6.10 at B1 T16384 H8 and 0.62 / 1.58 varlen 8 x 2048.
 inline bool chunked_pays(const problem& p) {
   const std::int64_t per_seq = p.varlen ? (p.N > 0 ? p.T / p.N : 0) : p.T;
   return chunked_min_tokens > 0 && per_seq >= chunked_min_tokens;
