@@ -58,16 +58,21 @@ namespace detail {
 
 inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
-/// Prefetches every 64-byte line of [p, p + bytes), the last one included where the range is
-/// not line-aligned; `Write`: the lines will be written (the decode step's state rows), else
-/// read (the backward's staged rows). A no-op where the compiler has no prefetch builtin.
+/// Prefetches every 64-byte line that [p, p + bytes) touches, each once; `Write`: the lines will
+/// be written (the decode step's state rows), else read (the backward's staged rows). A no-op
+/// where the compiler has no prefetch builtin.
+/// (The hint is chosen by `if constexpr` with literal arguments: GCC 12 drops a
+/// __builtin_prefetch whose rw argument is a template-dependent expression, without a warning.)
 template <bool Write = false>
 inline void prefetch_lines(const void* p, std::int64_t bytes) {
 #if defined(__GNUC__) || defined(__clang__)
   if (bytes <= 0) return;
-  const char* c = static_cast<const char*>(p);
-  for (std::int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, Write ? 1 : 0, 3);
-  __builtin_prefetch(c + bytes - 1, Write ? 1 : 0, 3);
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t(63);
+  const std::uintptr_t last = reinterpret_cast<std::uintptr_t>(p) + std::uintptr_t(bytes - 1);
+  for (std::uintptr_t a = first; a <= last; a += 64) {
+    if constexpr (Write) __builtin_prefetch(reinterpret_cast<const void*>(a), 1, 3);
+    else __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
+  }
 #else
   (void)p, (void)bytes;
 #endif
