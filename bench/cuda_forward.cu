@@ -56,7 +56,7 @@ struct buffer {
 };
 
 struct bench_case {
-  std::string gate;  // none, g, g_gamma, gk, gv
+  std::string gate;  // none, g, g_gamma, gk, gv, gk_gv
   std::int64_t B, T, H, K, V;
   int varlen_seqs = 0;  // > 0: B = 1, T tokens split into this many equal sequences
   bool initial_state = false;
@@ -68,6 +68,7 @@ unsigned gate_mask(const std::string& g) {
   if (g == "g_gamma") return recattn::gate_g_gamma;
   if (g == "gk") return recattn::gate_gk;
   if (g == "gv") return recattn::gate_gv;
+  if (g == "gk_gv") return recattn::gate_gk | recattn::gate_gv;
   return 0;
 }
 
@@ -170,17 +171,18 @@ std::string case_name(const bench_case& c) {
 
 const std::vector<bench_case>& cases() {
   // Issue 5's rows (recurrent), then issue 8's shapes for the chunked kernel (the gk rows of
-  // its table, and the same shapes with g) and the recurrent kernel beside them.
+  // its table, gv and gk + gv, and the same shapes with g) and the recurrent kernel beside them.
   static const std::vector<bench_case> all = [] {
     std::vector<bench_case> v = {
         {"none", 4, 4096, 16, 128, 128},     {"g", 4, 4096, 16, 128, 128},  {"g_gamma", 4, 4096, 16, 128, 128},
         {"gk", 4, 4096, 16, 128, 128},       {"gv", 4, 4096, 16, 128, 128}, {"gk", 8, 2048, 32, 64, 64},
         {"gk", 1, 16384, 8, 128, 128},       {"gk", 1, 16384, 16, 128, 128, 8, true},
+        {"gk_gv", 4, 4096, 16, 128, 128},
     };
     const bench_case shapes[] = {{"g", 8, 2048, 32, 64, 64}, {"g", 1, 16384, 8, 128, 128},
                                  {"g", 1, 16384, 16, 128, 128, 8, true}};
     for (const bench_case& c : shapes) v.push_back(c);  // recurrent, for the side-by-side
-    for (const char* g : {"none", "g", "g_gamma", "gk"}) {
+    for (const char* g : {"none", "g", "g_gamma", "gk", "gv", "gk_gv"}) {
       bench_case c{g, 4, 4096, 16, 128, 128};
       c.algo = recattn::algorithm::chunked;
       v.push_back(c);

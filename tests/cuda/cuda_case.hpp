@@ -106,6 +106,9 @@ struct spec {
   /// The same for gk: drawn from [first, second], -inf at every that-many-th element.
   std::optional<std::pair<double, double>> gk_range;
   int gk_neg_inf_every = 0;
+  /// The same for gv.
+  std::optional<std::pair<double, double>> gv_range;
+  int gv_neg_inf_every = 0;
   std::optional<double> scale;
   std::optional<recattn::cfg> cfg;
   void* stream = nullptr;
@@ -121,8 +124,11 @@ struct spec {
                                              : std::string(),
                                 gk_range ? recattn::detail::cat(" gk in [", gk_range->first, ", ", gk_range->second, "]")
                                          : std::string(),
-                                neg_inf_every || gk_neg_inf_every
-                                    ? recattn::detail::cat(" -inf every ", neg_inf_every, "/", gk_neg_inf_every)
+                                gv_range ? recattn::detail::cat(" gv in [", gv_range->first, ", ", gv_range->second, "]")
+                                         : std::string(),
+                                neg_inf_every || gk_neg_inf_every || gv_neg_inf_every
+                                    ? recattn::detail::cat(" -inf every ", neg_inf_every, "/", gk_neg_inf_every, "/",
+                                                           gv_neg_inf_every)
                                     : std::string(),
                                 cfg ? " cfg=" + cfg->str() : std::string());
   }
@@ -183,7 +189,8 @@ struct instance {
     }
     if (s.gates & recattn::gate_gv) {
       gv = mirrored(s.gate_type, {s.B, s.T, H, s.V}, s.pad);
-      fill(gv, logsig(0.5, 5.0));
+      if (s.gv_range) fill(gv, ranged(s.gv_range->first, s.gv_range->second, s.gv_neg_inf_every));
+      else fill(gv, logsig(0.5, 5.0));
     }
     const dtype st = s.type == dtype::float64 ? dtype::float64 : dtype::float32;
     const bool kv = s.layout == recattn::state_layout::kv;

@@ -1,10 +1,10 @@
-// The chunked CUDA forward (issue 8) on dense inputs: every gate combination without gv (none,
-// g, g_gamma, gk and their unions) x both directions x bfloat16 and half; K and V of odd sizes
-// up to 256; T shorter than a chunk, not a multiple of it, T = 1; strong, underflowing (-inf)
-// and positive decays, scalar and per channel; T = 65536; sequence splits; every chunked
-// candidate cfg; the dispatcher's choice; and the rejection of what the chunked kernel does
-// not take (gv, float, double). Each case is compared with the CPU double reference and with
-// the recurrent CUDA kernel.
+// The chunked CUDA forward (issue 8) on dense inputs: all 16 gate combinations (none, g,
+// g_gamma, gk, gv and their unions) x both directions x bfloat16 and half; K and V of odd
+// sizes up to 256; T shorter than a chunk, not a multiple of it, T = 1; strong, underflowing
+// (-inf) and positive decays, scalar, per key channel and per value column; T = 65536;
+// sequence splits (without gv); every chunked candidate cfg; the dispatcher's choice; and the
+// rejection of what the chunked kernel does not take (float, double, splits with gv). Each
+// case is compared with the CPU double reference and with the recurrent CUDA kernel.
 // Varlen, grouped heads and the [V,K] state are in test_cuda_chunked_layouts.cu.
 #include <catch2/catch.hpp>
 
@@ -26,9 +26,12 @@ using recattn_test::spec;
 namespace {
 
 const dtype mma_types[] = {dtype::bfloat16, dtype::float16};
-constexpr unsigned g_ = recattn::gate_g, gg_ = recattn::gate_g_gamma, gk_ = recattn::gate_gk;
-/// Every gate combination the chunked kernel takes (all without gv).
-const unsigned chunked_gates[] = {0u, g_, gg_, g_ | gg_, gk_, g_ | gk_, gg_ | gk_, g_ | gg_ | gk_};
+constexpr unsigned g_ = recattn::gate_g, gg_ = recattn::gate_g_gamma, gk_ = recattn::gate_gk, gv_ = recattn::gate_gv;
+/// The gate combinations without gv (the split pass takes these).
+const unsigned key_gates[] = {0u, g_, gg_, g_ | gg_, gk_, g_ | gk_, gg_ | gk_, g_ | gg_ | gk_};
+/// All 16.
+const unsigned all_gates[] = {0u,  g_,       gg_,       g_ | gg_,       gk_,       g_ | gk_,       gg_ | gk_,       g_ | gg_ | gk_,
+                              gv_, g_ | gv_, gg_ | gv_, g_ | gg_ | gv_, gk_ | gv_, g_ | gk_ | gv_, gg_ | gk_ | gv_, g_ | gg_ | gk_ | gv_};
 
 recattn::problem problem_of(instance& in) {
   recattn::forward_outputs outs{in.out.dev_mview(), std::nullopt};
@@ -38,10 +41,10 @@ recattn::problem problem_of(instance& in) {
 
 }  // namespace
 
-TEST_CASE("cuda chunked: every gate combination without gv, both directions, bf16 and half", "[cuda][chunked]") {
+TEST_CASE("cuda chunked: all 16 gate combinations, both directions, bf16 and half", "[cuda][chunked]") {
   std::uint64_t seed = 10;
   for (dtype t : mma_types)
-    for (unsigned gates : chunked_gates)
+    for (unsigned gates : all_gates)
       for (bool reverse : {false, true})
         for (int chunk : {32, 64}) {
           spec s;
@@ -70,8 +73,8 @@ TEST_CASE("cuda chunked: K and V of odd sizes up to 256, short sequences", "[cud
         spec s;
         s.type = t;
         s.gate_type = t;
-        const unsigned by_seed[] = {0u, g_ | gg_, gk_, g_ | gk_};
-        s.gates = by_seed[seed % 4];
+        const unsigned by_seed[] = {0u, g_ | gg_, gk_, g_ | gk_, gv_, gk_ | gv_};
+        s.gates = by_seed[seed % 6];
         s.reverse = (seed & 1) != 0;
         s.B = 1;
         s.T = T;
@@ -190,16 +193,58 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
       s.seed = seed++;
       require_agreement(s, every == 64 ? 64 : 32);
     }
+  // Per-column decays (gv alone, with gk, with g): strong ones (every diagonal tile past
+  // 2^64 takes the elementwise sum), mixed, weak, growing (bfloat16), very strong with growth;
+  // both value block widths of the output warps' split.
+  for (dtype t : mma_types)
+    for (unsigned gates : {gv_, gk_ | gv_, g_ | gv_, g_ | gg_ | gk_ | gv_})
+      for (const auto& r : gk_ranges) {
+        if (t == dtype::float16 && r.second > 0.0) continue;  // (growth past half's range, as above)
+        spec s;
+        s.type = t;
+        s.gate_type = (seed & 8) ? t : dtype::float32;
+        s.gates = gates;
+        s.gv_range = r;
+        if (gates & gk_) s.gk_range = std::make_pair(r.first / 2, std::min(0.0, r.second));
+        if (gates & g_) s.scalar_range = std::make_pair(-1.0, 0.0);
+        s.B = 2;
+        s.T = 200;
+        s.Hq = s.Hk = s.Hv = 2;
+        s.K = 40;
+        s.V = (seed & 2) ? 24 : 72;
+        s.reverse = (seed & 1) != 0;
+        s.initial_state = true;
+        s.gamma_per_seq = (seed & 2) != 0;
+        s.seed = seed++;
+        require_agreement(s, (seed & 4) ? 32 : 64, (seed & 16) ? 16 : 0);
+      }
+  // gv of exactly 0 decay (-inf) in scattered columns and tokens, and everywhere; with gk.
+  for (dtype t : mma_types)
+    for (int every : {1, 7, 37, 64}) {
+      spec s;
+      s.type = t;
+      s.gate_type = t;
+      s.gates = gv_ | (every == 7 ? gk_ : 0u);
+      s.gv_range = std::make_pair(-2.0, 0.0);
+      s.gv_neg_inf_every = every;
+      s.T = 300;
+      s.K = every == 7 ? 144 : 40;
+      s.V = 40;
+      s.initial_state = true;
+      s.reverse = every == 37;
+      s.seed = seed++;
+      require_agreement(s, every == 64 ? 64 : 32);
+    }
 }
 
 TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs in parallel)", "[cuda][chunked]") {
   // T = 1000: splits of a multiple of 64 tokens; 2, 3 and 7 splits (the last one short), and
-  // more splits asked than there are 64-token units. Every gate set without gv, both directions,
-  // both chunk lengths, with and without an initial state, bf16 and half ([V,K]: in
-  // test_cuda_chunked_layouts.cu, this unit is compiled without it).
+  // more splits asked than there are 64-token units. Every gate set without gv (splits do not
+  // take gv: below), both directions, both chunk lengths, with and without an initial state,
+  // bf16 and half ([V,K]: in test_cuda_chunked_layouts.cu, this unit is compiled without it).
   std::uint64_t seed = 900;
   for (dtype t : mma_types)
-    for (unsigned gates : chunked_gates)
+    for (unsigned gates : key_gates)
       for (int splits : {2, 3, 7, 40}) {
         spec s;
         s.type = t;
@@ -289,17 +334,33 @@ TEST_CASE("cuda chunked: sequence splits (a state pass, the combine, the outputs
     x.cfg = algo_cfg(algorithm::recurrent, 0, 0, 3);
     return x;
   }(), "cfg.splits");
+  // gv: the heuristic does not split (one block a sequence and head runs it), a forced split
+  // is a recattn::Error.
+  spec sg = s;
+  sg.gates = gv_ | gk_;
+  instance gv_few(sg);
+  const recattn::cfg cg = recattn::cuda::resolve_cfg(problem_of(gv_few), std::nullopt);
+  CHECK(cg.algo == algorithm::chunked);
+  CHECK(cg.splits == 1);
+  sg.seed = seed++;
+  require_agreement(sg);
+  expect_chunked_rejected([&] {
+    spec x = sg;
+    x.cfg = algo_cfg(algorithm::chunked, 0, 0, 2);
+    return x;
+  }(), "cfg.splits: expected 0 or 1 with gv");
 }
 
 TEST_CASE("cuda chunked: a long sequence, T = 65536", "[cuda][chunked][long]") {
   std::uint64_t seed = 600;
-  for (unsigned gates : {0u, g_, gk_}) {
+  for (unsigned gates : {0u, g_, gk_, gk_ | gv_}) {
     spec s;
     s.type = dtype::bfloat16;
     s.gate_type = dtype::float32;
     s.gates = gates;
     s.scalar_range = std::make_pair(-0.05, 0.0);
     s.gk_range = std::make_pair(-0.05, 0.0);
+    s.gv_range = std::make_pair(-0.05, 0.0);
     s.B = 1;
     s.T = 65536;
     s.Hq = s.Hk = s.Hv = 1;
@@ -339,8 +400,8 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   CHECK(cands.front().algo == automatic_choice);  // T = 300, bf16, scalar gates
 
   // The heuristic: recurrent while the chunked kernel is the slower one
-  // (chunked_min_tokens = 0), else chunked for long bf16/half sequences without gv;
-  // recurrent for short ones, for gv and for float. A cfg with recurrent fields and algo
+  // (chunked_min_tokens = 0), else chunked for long bf16/half sequences, gv included;
+  // recurrent for short ones and for float. A cfg with recurrent fields and algo
   // automatic stays recurrent; algo forces either.
   CHECK(recattn::cuda::resolve_cfg(p, std::nullopt).algo == automatic_choice);
   CHECK(recattn::cuda::resolve_cfg(p, algo_cfg(algorithm::recurrent)).algo == algorithm::recurrent);
@@ -368,7 +429,17 @@ TEST_CASE("cuda chunked: every candidate configuration; the dispatcher's choice"
   spec sgv = s;
   sgv.gates = recattn::gate_gv;
   instance with_gv(sgv);
-  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gv), std::nullopt).algo == algorithm::recurrent);
+  CHECK(recattn::cuda::resolve_cfg(problem_of(with_gv), std::nullopt).algo == automatic_choice);
+  // gk + gv at K = 128 keeps 64 columns (one wave) and shortens the chunk to fit.
+  spec skv = s;
+  skv.gates = gk_ | gv_;
+  skv.B = 8;  // 128 sequences x heads: 64-column blocks fill the GPU
+  skv.Hq = skv.Hk = skv.Hv = 16;
+  skv.V = 128;
+  instance with_gkv(skv);
+  const recattn::cfg ckv = recattn::cuda::chunked_heuristic_cfg(problem_of(with_gkv));
+  CHECK(ckv.block_v == 64);
+  CHECK(ckv.chunk == 32);
   spec sf = s;
   sf.type = dtype::float32;
   sf.gate_type = dtype::float32;
@@ -395,13 +466,6 @@ TEST_CASE("cuda chunked: what it does not take is a recattn::Error, nothing writ
   s.K = s.V = 32;
   s.initial_state = true;
   s.cfg = algo_cfg(algorithm::chunked);
-  for (unsigned gates : {unsigned(recattn::gate_gv), unsigned(recattn::gate_gk | recattn::gate_gv),
-                         unsigned(recattn::gate_g | recattn::gate_gk | recattn::gate_gv)}) {
-    spec sg = s;
-    sg.gates = gates;
-    INFO(sg.str());
-    expect_chunked_rejected(sg, "cfg.algorithm: expected recurrent for gv");
-  }
   {
     spec sk = s;  // gk with K > 128 takes chunks of 32
     sk.gates = recattn::gate_gk;

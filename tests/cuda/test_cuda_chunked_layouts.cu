@@ -24,7 +24,8 @@ TEST_CASE("cuda chunked: varlen with empty sequences, both directions, [K,V] and
   std::uint64_t seed = 1000;
   for (const auto& cu : cus)
     for (unsigned gates : {0u, unsigned(recattn::gate_g), unsigned(recattn::gate_g | recattn::gate_g_gamma),
-                           unsigned(recattn::gate_gk), unsigned(recattn::gate_g | recattn::gate_gk)})
+                           unsigned(recattn::gate_gk), unsigned(recattn::gate_g | recattn::gate_gk),
+                           unsigned(recattn::gate_gv), unsigned(recattn::gate_gk | recattn::gate_gv)})
       for (bool reverse : {false, true})
         for (auto layout : {recattn::state_layout::kv, recattn::state_layout::vk}) {
           spec s;
@@ -60,7 +61,8 @@ TEST_CASE("cuda chunked: grouped heads, in-place state, [V,K]", "[cuda][chunked]
         spec s;
         s.type = dtype::bfloat16;
         s.gate_type = dtype::float32;
-        s.gates = recattn::gate_g | ((seed & 1) ? recattn::gate_g_gamma : 0u) | ((seed & 4) ? recattn::gate_gk : 0u);
+        s.gates = recattn::gate_g | ((seed & 1) ? recattn::gate_g_gamma : 0u) | ((seed & 4) ? recattn::gate_gk : 0u) |
+                  ((seed % 5) < 2 ? recattn::gate_gv : 0u);
         s.reverse = (seed & 2) != 0;
         s.B = 2;
         s.T = 140;

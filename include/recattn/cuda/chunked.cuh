@@ -1,5 +1,5 @@
 // The chunked CUDA forward (issue 8): tensor-core products over chunks of C tokens, for
-// bfloat16 and half inputs and the gates g, g_gamma and gk (gv: the recurrent kernel).
+// bfloat16 and half inputs and every gate (g, g_gamma, gk, gv and their unions).
 //
 // A thread block of 16 warps owns one (sequence n, head h, block of BV value columns) and
 // walks the sequence's chunks in processing order. With G_i the cumulative log decay from the
@@ -67,6 +67,23 @@
 // decay is clamped below at -80 (e^-80 is 0 at SPEC §6's tolerances), so -inf never meets
 // -inf. Splits carry a decay factor per key channel.
 //
+// gv (the template flag GV, beside any GATE): the decay per value column b of the block makes
+// a second table D[l][b] (log2 units, [C][ldd] float, double buffered like gk's), scanned by
+// the state warps for chunk c + 1 at the end of chunk c from gv values loaded into registers
+// at its start:
+//   o_i[b] = scale * ( e^{D_i[b]} (q~_i S)[b]  +  sum_{j<=i} A_ij e^{D_i[b] - D_j[b]} v_j[b] )
+//   S[:, b] <- e^{D_C[b]} S[:, b] + sum_j k~_j^T (v_j[b] e^{D_C[b] - D_j[b]})
+// with A and k~ those of the key-side gates. The state warps scale the v operand registers
+// (factors <= 1) and S's columns. The output warps take the factor in two parts about the row
+// tile's reference row r: v_j scaled by e^{D_r - D_j} in the operand registers (<= 1 for the
+// key tiles before the diagonal one), the sum (and the inter-chunk term, first scaled by
+// e^{D_r}) by e^{D_i - D_r} <= 1 after A V. On the diagonal tile e^{D_r - D_j} grows with the
+// decay over up to 15 tokens: the warp takes it on the tensor cores while every |D_j - D_r|
+// over its columns stays within chunked_gk_fast_log2, else adds that tile's terms elementwise
+// (A_ij from the lanes of the quad, factors e^{D_i - D_j} <= 1). Those A V products read
+// bfloat16 operands for both input dtypes (2^64 is far past half's range). No sequence splits
+// with gv (the split-state pass carries key-side decays only): chunked_splits is 1 there.
+//
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
 // state S~ rounded to the input dtype each chunk); S itself accumulates in float. Measured
 // against the double reference this stays inside SPEC §6's 1e-2 for bfloat16 and half. Float
@@ -110,6 +127,11 @@ struct chunked_layout {
   // gk in 16 or 32 bits: the chunk's gk rows as given, [C][gk_pitch bytes], copied by cp.async
   // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
   unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
+  // gv: two tables (the state warps scan chunk c + 1 into one while chunk c reads the other)
+  // of the chunk's cumulative log2 decays per value column of the block, [C][ldd] float, each
+  // followed (at gvf_off) by the state's v factors e^{D_C[b] - D_j[b]}, [BV][ldf] float.
+  int ldd = 0, ldf = 0;
+  unsigned off_gvt = 0, gvt_bytes = 0, gvf_off = 0;
   // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
   // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
   // then one mbarrier (8 bytes) a row tile that orders the exchange.
@@ -122,9 +144,10 @@ inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 /// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
 /// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
 /// tables instead of the per-warp scalar scans.
-/// `gk_es`: gk's element size (its rows are staged in shared memory for 2 and 4).
+/// `gk_es`: gk's element size (its rows are staged in shared memory for 2 and 4); `gv`: the
+/// per-column decay tables.
 inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false,
-                                          int gk_es = 0) {
+                                          int gk_es = 0, bool gv = false) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
@@ -152,7 +175,14 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
     L.gk_pitch = unsigned(L.Kp * gk_es + 16);  // 16 bytes of pad a row (the scan's reads by channel)
     L.gks_bytes = unsigned(align128(std::size_t(C) * L.gk_pitch));
   }
-  L.off_xa = unsigned(align128(std::size_t(L.off_gks) + L.gks_bytes));
+  L.off_gvt = unsigned(align128(std::size_t(L.off_gks) + L.gks_bytes));
+  if (gv) {
+    L.ldd = BV + 4;  // 4 words of pad: a fragment's reads (8 columns x 4 token pairs) hit 32 banks
+    L.ldf = C + 8;   // 8 words of pad: a fragment's 8-byte reads (8 columns x 4 token pairs), 2 wavefronts
+    L.gvf_off = unsigned(align128(std::size_t(C) * L.ldd * 4));
+    L.gvt_bytes = L.gvf_off + unsigned(align128(std::size_t(BV) * L.ldf * 4));
+  }
+  L.off_xa = L.off_gvt + 2 * L.gvt_bytes;
   L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32 * 8));
   L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16) * 8);
   return L;
@@ -293,7 +323,7 @@ inline constexpr float chunked_gk_fast_log2 = 64.f;
 /// varlen and state layout are uniform run-time values. LOCAL: the split-state pass (state
 /// warps only, each split but the last from a zero state, its final state and total decay
 /// into P.split_state and P.split_decay; no outputs).
-template <class T, int C, int BV, int GATE, int MS, bool LOCAL = false>
+template <class T, int C, int BV, int GATE, int MS, bool LOCAL = false, bool GV = false>
 __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::chunked_out_warps) : 32 * detail::chunked_warps,
                                   LOCAL ? 2 : 1) chunked_forward_kernel(const chunked_params P) {
   using namespace detail;
@@ -314,6 +344,13 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
   static_assert(NWS == 8 && C % NW == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
+  static_assert(!(GV && LOCAL), "gv: no split-state pass (chunked_splits is 1 with gv)");
+  // gv's scan: a state warp takes GV_NCW of the block's columns, its lanes GV_NSEG runs of
+  // GV_TS consecutive tokens of each.
+  constexpr int GV_NCW = BV / 8, GV_NSEG = 32 / GV_NCW, GV_TS = C / GV_NSEG;
+  // The A V products with gv read bfloat16 operands for both input dtypes: the diagonal
+  // tile's v rows are scaled by up to 2^64 (chunked_gk_fast_log2), past half's range.
+  using AVT = std::conditional_t<GV, bfloat16, T>;
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
   extern __shared__ __align__(128) unsigned char chunked_smem[];
@@ -366,6 +403,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   auto flag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_flag) + 8 * s; };
   const int ldb = L.ldb;
   const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
+  auto gvt_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvt + unsigned(s) * L.gvt_bytes); };
+  const int ldd = L.ldd, ldf = L.ldf;
 
   const std::int64_t nchunks = (len + C - 1) / C;
   // This block's chunks [c_lo, c_hi): its split's (every chunk without splits).
@@ -693,10 +732,88 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       scan_gk(c, tb);
     };
+    // gv: the table of chunk c, D[l][b] = log2(e) * sum over the chunk's tokens up to l of gv
+    // of the block's value column b (a token's value clamped below at chunked_gk_floor; zero
+    // past the sequence end and past the block's real columns). Lane: column
+    // sw GV_NCW + lane % GV_NCW, tokens of run lane / GV_NCW. The loads of chunk c + 1 are
+    // issued at the start of chunk c (into registers, as the bits of gv's dtype) and scanned at
+    // its end, so their latency hides behind the chunk's products.
+    const int gv_col = sw * GV_NCW + lane % GV_NCW, gv_run = lane / GV_NCW;
+    // (16-bit gv: two tokens a register, token 2 u in the low half of x[u].)
+    auto load_gv = [&](std::int64_t c, unsigned (&x)[GV_TS]) {
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + gv_col;
+      auto rows = [&](auto tag) {
+        using G = typename decltype(tag)::type;
+        const G* gp = reinterpret_cast<const G*>(p.gv.data);
+#pragma unroll
+        for (int e = 0; e < GV_TS; ++e) {
+          const int l = gv_run * GV_TS + e;
+          const bool real = l < cl && gv_col < w;
+          const std::int64_t t = tok(i0 + (real ? l : 0));
+          if constexpr (sizeof(G) == 2) {
+            const unsigned y = real ? unsigned(gp[base + t * p.gv.s1]) : 0u;
+            x[e / 2] = e % 2 ? x[e / 2] | (y << 16) : y;
+          } else if constexpr (sizeof(G) == 4) x[e] = real ? reinterpret_cast<const unsigned*>(gp)[base + t * p.gv.s1] : 0u;
+          else x[e] = real ? __float_as_uint(float(gp[base + t * p.gv.s1])) : 0u;
+        }
+      };
+      switch (p.gv.type) {
+        case dtype::bfloat16:
+        case dtype::float16: rows(type_tag<std::uint16_t>()); break;
+        case dtype::float64: rows(type_tag<double>()); break;
+        default: rows(type_tag<unsigned>()); break;
+      }
+    };
+    auto scan_gv = [&](std::int64_t c, const unsigned (&raw)[GV_TS], float* dt) {
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      float x[GV_TS];
+      double tot = 0.0;
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) {
+        const int l = gv_run * GV_TS + e;
+        float v;
+        const unsigned r16 = e % 2 ? raw[e / 2] >> 16 : raw[e / 2] & 0xffffu;
+        if (p.gv.type == dtype::bfloat16) v = __uint_as_float(r16 << 16);
+        else if (p.gv.type == dtype::float16) v = __half2float(__ushort_as_half((unsigned short)r16));
+        else v = __uint_as_float(raw[e]);
+        v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
+        x[e] = l < cl && gv_col < w ? v : 0.f;
+        tot += double(x[e]);
+      }
+      // The runs before this lane's (the lanes GV_NCW apart hold one column's runs in order).
+      double incl = tot;
+#pragma unroll
+      for (int off = 1; off < GV_NSEG; off *= 2) {
+        const double t = __shfl_up_sync(0xffffffffu, incl, off * GV_NCW);
+        if (gv_run >= off) incl += t;
+      }
+      double sum = incl - tot;
+      // The column's chunk total (its last run's inclusive sum), for the state's v factors
+      // e^{D_C - D_j}: once here, not in each of the 8 state warps that read them.
+      const float dc = float(__shfl_sync(0xffffffffu, incl, (GV_NSEG - 1) * GV_NCW + lane % GV_NCW)) * kLog2e;
+      float* fv = dt + L.gvf_off / 4 + gv_col * ldf;
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) {
+        sum += double(x[e]);
+        const float d = float(sum) * kLog2e;
+        dt[(gv_run * GV_TS + e) * ldd + gv_col] = d;
+        fv[gv_run * GV_TS + e] = fast_exp2(dc - d);
+      }
+    };
     if constexpr (GK) {
       if (c_lo < c_hi) {
         if (L.gks_bytes) issue_gk(c_lo);
         staged_scan(c_lo, tab_ptr(int(c_lo & 1)));
+      }
+    }
+    if constexpr (GV) {
+      if (c_lo < c_hi) {
+        unsigned raw[GV_TS];
+        load_gv(c_lo, raw);
+        scan_gv(c_lo, raw, gvt_ptr(int(c_lo & 1)));
       }
     }
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
@@ -707,6 +824,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       if constexpr (GK) {
         if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
+      }
+      unsigned gv_raw[GV ? GV_TS : 1];
+      if constexpr (GV) {
+        if (c + 1 < c_hi) load_gv(c + 1, gv_raw);
       }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       if constexpr (GATED) {
@@ -736,9 +857,26 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             }
           }
       }
+      // gv: column b of S decays by e^{D_C[b]}; V~ = v scaled by e^{D_C[b] - D_j[b]} (<= 1, the
+      // scan's factor table fv[b][j]).
+      const float* dt = GV ? gvt_ptr(buf) : nullptr;
+      const float* fv = GV ? dt + L.gvf_off / 4 : nullptr;
+      if constexpr (GV) {
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float f = fast_exp2(dt[(C - 1) * ldd + 8 * nt + c4 + e]);
+#pragma unroll
+            for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) S[ms][nt][2 * hh + e] = f == 0.f ? 0.f : S[ms][nt][2 * hh + e] * f;
+          }
+        }
+      }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
       const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
-#pragma unroll
+#pragma unroll(GV ? 1 : nM)
       for (int kt = 0; kt < nM; ++kt) {
         if (16 * kt >= cl) break;
         unsigned ka[MS][4];
@@ -773,6 +911,16 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         for (int np = 0; np < NB / 2; ++np) {
           unsigned vb4[4];
           ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
+          if constexpr (GV) {
+            // Register r: tokens 16 kt + c4 + 8 (r & 1) + {0, 1}, column 16 np + 8 (r >> 1) + r4.
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int j = 16 * kt + c4 + 8 * (r & 1), b = 16 * np + 8 * (r >> 1) + r4;
+              const float2 x = unpack2<T>(vb4[r]);
+              const float2 f = *reinterpret_cast<const float2*>(fv + b * ldf + j);  // (j even, ldf even)
+              vb4[r] = pack2<T>(f.x == 0.f ? 0.f : x.x * f.x, f.y == 0.f ? 0.f : x.y * f.y);
+            }
+          }
 #pragma unroll
           for (int ms = 0; ms < MS; ++ms) {
             if (sw + NWS * ms >= nKt) continue;
@@ -784,6 +932,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if (!LOCAL && c + 1 < c_hi) write_st(st_ptr(buf ^ 1));
       if constexpr (GK) {
         if (c + 1 < c_hi) staged_scan(c + 1, tab_ptr(buf ^ 1));
+      }
+      if constexpr (GV) {
+        if (c + 1 < c_hi) scan_gv(c + 1, gv_raw, gvt_ptr(buf ^ 1));
       }
     });
     if constexpr (LOCAL) {
@@ -1056,26 +1207,118 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           if (8 * t + c4 + (i & 1) > (i < 2 ? i_lo : i_hi)) A[t][i] = 0.f;
       }
     }
+    // gv (D: the chunk's table, r = ref_row, D_r = 0 for the first tile): o_i[b] takes
+    // e^{D_i[b]} on the inter-chunk term and e^{D_i[b] - D_j[b]} on token j's term, formed as
+    // e^{D_i - D_r} (<= 1, on the sum) times e^{D_r - D_j} (on v_j: <= 1 for the key tiles
+    // before the diagonal one; on the diagonal tile it grows up to the decay over 15 tokens,
+    // so that tile takes the tensor cores only while every |D_j - D_r| <= chunked_gk_fast_log2
+    // (log2) over the warp's columns, else it is added elementwise below). So the inter-chunk
+    // term is first scaled by e^{D_r}, and the whole sum by e^{D_i - D_r} after A V.
+    const float* dt = GV ? gvt_ptr(buf) : nullptr;
+    // D_r of column b (reread from shared memory where needed: registers are short here).
+    auto d_ref = [&](int b) { return mi > 0 ? dt[ref_row * ldd + b] : 0.f; };
+    float drv[GV ? NTW : 1];  // D_r of the thread's v operand's column nbase + 8 t + r4
+    bool gv_fast = true;
+    if constexpr (GV) {
+#pragma unroll
+      for (int t = 0; t < NTW; ++t) {
+        drv[t] = d_ref(nbase + 8 * t + r4);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float f = fast_exp2(d_ref(nbase + 8 * t + c4 + e));
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) O[t][2 * hh + e] = f == 0.f ? 0.f : O[t][2 * hh + e] * f;
+        }
+      }
+      // The diagonal tile's rows (lane & 15) against D_r, over half the warp's columns a lane.
+      float dev = 0.f;
+      const int jr = 16 * mi + (lane & 15);
+#pragma unroll
+      for (int u = 0; u < 4 * NTW; ++u) {
+        const int b = nbase + (lane >> 4) * 4 * NTW + u;
+        dev = fmaxf(dev, fabsf(dt[jr * ldd + b] - d_ref(b)));
+      }
+      gv_fast = __all_sync(0xffffffffu, dev <= chunked_gk_fast_log2);
+    }
     // O += A V (A's accumulators as the A operand, 16 tokens a step).
     const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
 #pragma unroll
     for (int kt = 0; kt < nM; ++kt) {
-      if (kt > mi) break;
-      const unsigned aa[4] = {pack2<T>(A[2 * kt][0], A[2 * kt][1]), pack2<T>(A[2 * kt][2], A[2 * kt][3]),
-                              pack2<T>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
-                              pack2<T>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
+      if (kt > mi || (GV && kt == mi && !gv_fast)) break;
+      const unsigned aa[4] = {pack2<AVT>(A[2 * kt][0], A[2 * kt][1]), pack2<AVT>(A[2 * kt][2], A[2 * kt][3]),
+                              pack2<AVT>(A[2 * kt + 1][0], A[2 * kt + 1][1]),
+                              pack2<AVT>(A[2 * kt + 1][2], A[2 * kt + 1][3])};
+      // gv: register r of the v operand holds tokens 16 kt + c4 + 8 (r & 1) + {0, 1} of column
+      // nbase + 8 (np-th 8-column tile) + r4; scaled by e^{D_r - D_j} into bfloat16.
+      auto scale_v = [&](unsigned& x, int r, int t8) {
+        const int j = 16 * kt + c4 + 8 * (r & 1), b = nbase + 8 * t8 + r4;
+        const float2 y = unpack2<T>(x);
+        const float fa = fast_exp2(drv[t8] - dt[j * ldd + b]), fb = fast_exp2(drv[t8] - dt[(j + 1) * ldd + b]);
+        x = pack2<bfloat16>(fa == 0.f ? 0.f : y.x * fa, fb == 0.f ? 0.f : y.y * fb);
+      };
       if constexpr (NTW >= 2) {
 #pragma unroll
         for (int np = 0; np < NTW / 2; ++np) {
           unsigned vb4[4];
           ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
-          mma16816<T>(O[2 * np], aa, vb4[0], vb4[1]);
-          mma16816<T>(O[2 * np + 1], aa, vb4[2], vb4[3]);
+          if constexpr (GV) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) scale_v(vb4[r], r, 2 * np + (r >> 1));
+          }
+          mma16816<AVT>(O[2 * np], aa, vb4[0], vb4[1]);
+          mma16816<AVT>(O[2 * np + 1], aa, vb4[2], vb4[3]);
         }
       } else {
         unsigned vb2[2];
         ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
-        mma16816<T>(O[0], aa, vb2[0], vb2[1]);
+        if constexpr (GV) {
+          scale_v(vb2[0], 0, 0);
+          scale_v(vb2[1], 1, 0);
+        }
+        mma16816<AVT>(O[0], aa, vb2[0], vb2[1]);
+      }
+    }
+    if constexpr (GV) {
+      // The whole sum by e^{D_i - D_r}; then, where the diagonal tile was left out, its terms
+      // A_ij e^{D_i[b] - D_j[b]} v_j[b] (j <= i: factors <= 1), A_ij from the lanes of the quad.
+#pragma unroll
+      for (int t = 0; t < NTW; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int b = nbase + 8 * t + c4 + e;
+          const float dr = d_ref(b);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float f = fast_exp2(dt[(hh ? i_hi : i_lo) * ldd + b] - dr);
+            O[t][2 * hh + e] = f == 0.f ? 0.f : O[t][2 * hh + e] * f;
+          }
+        }
+      if (!gv_fast) {
+        float ad[2][4];  // the diagonal tile of A (compile-time register indices)
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t / 2 != mi) continue;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ad[t & 1][i] = A[t][i];
+        }
+#pragma unroll 1
+        for (int jj = 0; jj < 16; ++jj) {
+          const int src = (lane & ~3) | ((jj & 7) >> 1);
+          const int hi8 = jj >> 3, odd = jj & 1;  // (selects, not a run-time register index)
+          const float a_lo = __shfl_sync(0xffffffffu, hi8 ? (odd ? ad[1][1] : ad[1][0]) : (odd ? ad[0][1] : ad[0][0]), src);
+          const float a_hi = __shfl_sync(0xffffffffu, hi8 ? (odd ? ad[1][3] : ad[1][2]) : (odd ? ad[0][3] : ad[0][2]), src);
+          const int j = 16 * mi + jj;
+#pragma unroll
+          for (int t = 0; t < NTW; ++t)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int b = nbase + 8 * t + c4 + e;
+              const float vj = unpack2<T>(unsigned(sv[j * ldv + b])).x;
+              const float dj = dt[j * ldd + b];
+              if (j <= i_lo) O[t][e] = fmaf(a_lo * vj, fast_exp2(dt[i_lo * ldd + b] - dj), O[t][e]);
+              if (j <= i_hi) O[t][2 + e] = fmaf(a_hi * vj, fast_exp2(dt[i_hi * ldd + b] - dj), O[t][2 + e]);
+            }
+        }
       }
     }
     // The chunk's outputs (rows < cl, columns < w).

@@ -98,7 +98,6 @@ namespace detail {
 
 /// Why the chunked kernel cannot take p (null: it can).
 inline const char* chunked_unsupported(const problem& p) {
-  if (p.has(gate_gv)) return "recurrent for gv (the chunked kernel takes g, g_gamma and gk in this version)";
   if (p.type == dtype::float64) return "recurrent for float64 inputs (the chunked kernel takes bfloat16 and float16)";
   if (p.type == dtype::float32)
     return "recurrent for float32 inputs (the chunked kernel takes bfloat16 and float16: tensor-core products in tf32 "
@@ -107,7 +106,7 @@ inline const char* chunked_unsupported(const problem& p) {
 }
 
 /// Tokens per sequence from which the chunked kernel is the automatic choice (bfloat16 and
-/// half inputs without gv, gk included; 0: never). Measured on an H100
+/// half inputs, every gate; 0: never). Measured on an H100
 /// (bench/README.md, 2026-12-05): with scalar gates or none the chunked kernel takes 0.28 to
 /// 0.40 times the recurrent kernel's time on every issue-8 shape (T 2048 to 16384; 0.07 for
 /// B1 T16384 H8, split); from 256 tokens a sequence it has four chunks or more. cfg.algo forces either kernel, and candidate_cfgs lists both for an autotuner.
@@ -121,12 +120,24 @@ inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKE
 inline int chunked_gk_es(const problem& p) { return p.has(gate_gk) ? int(dtype_size(p.gk.type)) : 0; }
 
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) {
-  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk), chunked_gk_es(p)).bytes;
+  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk), chunked_gk_es(p), p.has(gate_gv)).bytes;
 }
 
 /// The longest chunk the kernel is compiled for: 64, but 32 with gk and K > 128 (the gk scan
 /// holds a state warp's share of a chunk in registers, twice as many row tiles there).
 inline int chunked_max_chunk(const problem& p) { return p.has(gate_gk) && p.K > 128 ? 32 : 64; }
+
+/// The shrinking of a chunked block that does not fit in shared memory: the value columns
+/// first (then the chunk), except with gv, where the chunk gives way first. Measured on an
+/// H100 (bench/README.md, 2026-12-06 08:20), B4 T4096 H16 K=V=128 (64 columns: 128 blocks, one
+/// wave; 32: two): gk + gv, which does not fit 64 tokens x 64 columns, 0.90 ms at 32 x 64
+/// against 1.27 at 64 x 32; gv alone fits 64 x 64 (0.55 ms; 32 x 64: 0.57).
+inline void fit_chunked(const problem& p, int& bv, int& chunk, bool bv_free, bool chunk_free) {
+  const std::size_t budget = smem_budget();
+  while (chunk_free && p.has(gate_gv) && chunk > 32 && chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  while (bv_free && bv > 16 && chunked_bytes(p, bv, chunk) > budget) bv /= 2;
+  while (chunk_free && chunk > 32 && chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+}
 
 /// Value columns of a chunked block: the fewest 16-column tiles that hold V, up to 64, halved
 /// while the blocks of half as many columns still fit the multiprocessors in one wave (a block
@@ -143,8 +154,9 @@ inline int chunked_block_v(const problem& p) {
 
 /// Splits of each sequence (cfg.splits = 0): dense inputs whose blocks fill at most half the
 /// multiprocessors get as many splits as fill them (one block each), of at least 256 tokens.
+/// None with gv (the split-state pass carries key-side decays only).
 inline int chunked_splits(const problem& p, int bv) {
-  if (p.varlen) return 1;
+  if (p.varlen || p.has(gate_gv)) return 1;
   const std::int64_t blocks = p.N * p.H * ((p.V + bv - 1) / bv), sms = sm_count();
   if (blocks == 0 || 2 * blocks > sms) return 1;
   const std::int64_t s = std::min(sms / blocks, p.T / 256);
@@ -171,7 +183,7 @@ inline bool chunked_pays(const problem& p) {
 
 /// The chunked kernel's default: chunks of 64 tokens, 16 warps; value columns: with splits
 /// (few long sequences, detail::chunked_splits) the fewest 16-column tiles that hold V up to
-/// 64, else detail::chunked_block_v; shrunk (columns first, then the chunk) until the block
+/// 64, else detail::chunked_block_v; shrunk (detail::fit_chunked) until the block
 /// fits in shared memory.
 inline cfg chunked_heuristic_cfg(const problem& p) {
   detail::check_sizes(p);
@@ -182,9 +194,7 @@ inline cfg chunked_heuristic_cfg(const problem& p) {
   const int widest = p.V <= 16 ? 16 : p.V <= 32 ? 32 : 64;
   const int splits = detail::chunked_splits(p, widest);
   int bv = splits > 1 ? widest : detail::chunked_block_v(p), chunk = detail::chunked_max_chunk(p);
-  const std::size_t budget = detail::smem_budget();
-  while (bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
-  while (chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  detail::fit_chunked(p, bv, chunk, true, true);
   c.block_v = bv;
   c.chunk = chunk;
   c.splits = splits > 1 ? detail::chunked_splits(p, bv) : 1;
@@ -217,13 +227,14 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
     fail("cfg.chunk", "0 or 32 with algorithm chunked, gk and K > 128", u.chunk);
   if (u.splits < 0) fail("cfg.splits", "a value >= 0", u.splits);
   if (u.splits > 1 && p.varlen) fail("cfg.splits", "0 or 1 with cu_seqlens (splits take dense inputs)", u.splits);
+  if (u.splits > 1 && p.has(gate_gv))
+    fail("cfg.splits", "0 or 1 with gv (the chunked kernel's split pass takes g, g_gamma and gk)", u.splits);
   cfg c = u;
   const cfg h = chunked_heuristic_cfg(p);
   int bv = u.block_v ? u.block_v : u.splits == 1 ? detail::chunked_block_v(p) : h.block_v;
   int chunk = u.chunk ? u.chunk : detail::chunked_max_chunk(p);
   const std::size_t budget = detail::smem_budget();
-  while (!u.block_v && bv > 16 && detail::chunked_bytes(p, bv, chunk) > budget) bv /= 2;
-  while (!u.chunk && chunk > 32 && detail::chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
+  detail::fit_chunked(p, bv, chunk, !u.block_v, !u.chunk);
   const std::size_t bytes = detail::chunked_bytes(p, bv, chunk);
   if (bytes > budget) {
     const bool by_bv = u.block_v != 0;
@@ -243,7 +254,7 @@ inline cfg resolve_chunked_cfg(const problem& p, const cfg& u) {
 
 /// Fills zero fields of `user` from the heuristic and checks the rest; throws for sizes the
 /// kernel cannot take (K > 256). cfg.algo: `chunked` forces the chunked kernel (an Error
-/// where it cannot run: gk, gv, float, double), `recurrent` the recurrent one; `automatic`
+/// where it cannot run: float, double), `recurrent` the recurrent one; `automatic`
 /// with every kernel field zero is the heuristic's choice, and with any of them set a
 /// recurrent cfg (those fields' meaning before cfg.algo existed).
 inline cfg resolve_cfg(const problem& p, const std::optional<cfg>& user) {
@@ -464,16 +475,14 @@ struct chunked_backend {
   static void forward(const problem& p, const launch_args& a) {
     if constexpr (!std::is_same<T, bfloat16>::value && !std::is_same<T, half>::value) {
       recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
-    } else if constexpr (Policy::has_gv) {
-      recattn::detail::fail("cfg.algorithm", chunked_unsupported(p), "chunked");
     } else {
       const int bv = a.c.block_v;
       const int nvb = int((p.V + bv - 1) / bv);
       if (p.N * p.H * nvb == 0) return;
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
-      constexpr bool gk = Policy::has_gk;
-      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk, chunked_gk_es(p));
+      constexpr bool gk = Policy::has_gk, gv = Policy::has_gv;
+      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk, chunked_gk_es(p), gv);
       P.decay_rows = gk;
       P.N = p.N;
       const std::int64_t Bt = p.varlen ? 1 : p.B;
@@ -511,16 +520,18 @@ struct chunked_backend {
         constexpr int C = decltype(chunk)::value, MS = decltype(ms)::value;
         constexpr bool LOCAL = decltype(local)::value;
         chunked_params Q = P;
-        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true, gk, chunked_gk_es(p));
+        if (LOCAL) Q.L = make_chunked_layout(p.K, bv, C, true, gk, chunked_gk_es(p), false);
         const std::int64_t nb = LOCAL ? blocks / P.nsplit * (P.nsplit - 1) : blocks;
         const int warps = LOCAL ? chunked_warps - chunked_out_warps : chunked_warps;
         if constexpr (gk && MS == 2 && C == 64) {
           recattn::detail::fail("cfg.chunk", "32 with gk and K > 128 (resolve_cfg's choice)", C);
+        } else if constexpr (gv && LOCAL) {
+          recattn::detail::fail("cfg.splits", "0 or 1 with gv (resolve_cfg's choice)", P.nsplit);
         } else {
           switch (bv) {
-            case 16: launch(chunked_forward_kernel<T, C, 16, gate, MS, LOCAL>, Q, nb, warps); break;
-            case 32: launch(chunked_forward_kernel<T, C, 32, gate, MS, LOCAL>, Q, nb, warps); break;
-            default: launch(chunked_forward_kernel<T, C, 64, gate, MS, LOCAL>, Q, nb, warps); break;
+            case 16: launch(chunked_forward_kernel<T, C, 16, gate, MS, LOCAL, gv>, Q, nb, warps); break;
+            case 32: launch(chunked_forward_kernel<T, C, 32, gate, MS, LOCAL, gv>, Q, nb, warps); break;
+            default: launch(chunked_forward_kernel<T, C, 64, gate, MS, LOCAL, gv>, Q, nb, warps); break;
           }
         }
       };
