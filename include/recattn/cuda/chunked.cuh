@@ -68,7 +68,7 @@
 // -inf. Splits carry a decay factor per key channel.
 //
 // gv (the template flag GV, beside any GATE): the decay per value column b of the block makes
-// a second table D[l][b] (log2 units, [C][ldd] float, double buffered like gk's), scanned by
+// a second table D[l][b] (log2 units, stored [b][l], double buffered like gk's), scanned by
 // the state warps for chunk c + 1 at the end of chunk c from gv values loaded into registers
 // at its start:
 //   o_i[b] = scale * ( e^{D_i[b]} (q~_i S)[b]  +  sum_{j<=i} A_ij e^{D_i[b] - D_j[b]} v_j[b] )
@@ -128,9 +128,10 @@ struct chunked_layout {
   // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
   unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
   // gv: two tables (the state warps scan chunk c + 1 into one while chunk c reads the other)
-  // of the chunk's cumulative log2 decays per value column of the block, [C][ldd] float, each
-  // followed (at gvf_off) by the state's v factors e^{D_C[b] - D_j[b]}, [BV][ldf] float.
-  int ldd = 0, ldf = 0;
+  // of the chunk's cumulative log2 decays per value column of the block, D^T [BV][ldt] float,
+  // each followed (at gvf_off) by the state's v factors e^{D_C[b] - D_j[b]}, [BV][ldt] float.
+  // Column-major: a scanning lane's tokens are adjacent (16-byte stores).
+  int ldt = 0;
   unsigned off_gvt = 0, gvt_bytes = 0, gvf_off = 0;
   // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
   // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
@@ -177,10 +178,9 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   }
   L.off_gvt = unsigned(align128(std::size_t(L.off_gks) + L.gks_bytes));
   if (gv) {
-    L.ldd = BV + 4;  // 4 words of pad: a fragment's reads (8 columns x 4 token pairs) hit 32 banks
-    L.ldf = C + 8;   // 8 words of pad: a fragment's 8-byte reads (8 columns x 4 token pairs), 2 wavefronts
-    L.gvf_off = unsigned(align128(std::size_t(C) * L.ldd * 4));
-    L.gvt_bytes = L.gvf_off + unsigned(align128(std::size_t(BV) * L.ldf * 4));
+    L.ldt = C + 8;  // 8 words of pad: a fragment's 8-byte reads (8 columns x 4 token pairs), 2 wavefronts
+    L.gvf_off = unsigned(align128(std::size_t(BV) * L.ldt * 4));
+    L.gvt_bytes = 2 * L.gvf_off;
   }
   L.off_xa = L.off_gvt + 2 * L.gvt_bytes;
   L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32 * 8));
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const int ldb = L.ldb;
   const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
   auto gvt_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvt + unsigned(s) * L.gvt_bytes); };
-  const int ldd = L.ldd, ldf = L.ldf;
+  const int ldt = L.ldt;
 
   const std::int64_t nchunks = (len + C - 1) / C;
   // This block's chunks [c_lo, c_hi): its split's (every chunk without splits).
@@ -770,7 +770,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
       float x[GV_TS];
-      double tot = 0.0;
 #pragma unroll
       for (int e = 0; e < GV_TS; ++e) {
         const int l = gv_run * GV_TS + e;
@@ -781,26 +780,51 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         else v = __uint_as_float(raw[e]);
         v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
         x[e] = l < cl && gv_col < w ? v : 0.f;
-        tot += double(x[e]);
       }
-      // The runs before this lane's (the lanes GV_NCW apart hold one column's runs in order).
+      // The run's prefix sums in float, compensated (Kahan), then the runs before this lane's
+      // (the lanes GV_NCW apart hold one column's runs in order) in double, added as a
+      // two-float offset: no double conversion a token (the scan was a third of gv's cost,
+      // bench/README.md).
+      float ls[GV_TS], rs = 0.f, comp = 0.f;
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) {
+        const float y = x[e] - comp, t = rs + y;
+        comp = (t - rs) - y;
+        rs = t;
+        ls[e] = rs;
+      }
+      const double tot = double(rs) - double(comp);
       double incl = tot;
 #pragma unroll
       for (int off = 1; off < GV_NSEG; off *= 2) {
         const double t = __shfl_up_sync(0xffffffffu, incl, off * GV_NCW);
         if (gv_run >= off) incl += t;
       }
-      double sum = incl - tot;
+      const double off = incl - tot;
+      const float offh = float(off), offl = float(off - double(offh));
       // The column's chunk total (its last run's inclusive sum), for the state's v factors
       // e^{D_C - D_j}: once here, not in each of the 8 state warps that read them.
       const float dc = float(__shfl_sync(0xffffffffu, incl, (GV_NSEG - 1) * GV_NCW + lane % GV_NCW)) * kLog2e;
-      float* fv = dt + L.gvf_off / 4 + gv_col * ldf;
+      float dv[GV_TS], fvv[GV_TS];
 #pragma unroll
       for (int e = 0; e < GV_TS; ++e) {
-        sum += double(x[e]);
-        const float d = float(sum) * kLog2e;
-        dt[(gv_run * GV_TS + e) * ldd + gv_col] = d;
-        fv[gv_run * GV_TS + e] = fast_exp2(dc - d);
+        dv[e] = ((offh + ls[e]) + offl) * kLog2e;
+        fvv[e] = fast_exp2(dc - dv[e]);
+      }
+      float* drow = dt + gv_col * ldt + gv_run * GV_TS;  // (16-byte aligned for GV_TS >= 4)
+      float* frow = drow + L.gvf_off / 4;
+      if constexpr (GV_TS % 4 == 0) {
+#pragma unroll
+        for (int u = 0; u < GV_TS / 4; ++u) {
+          reinterpret_cast<float4*>(drow)[u] = make_float4(dv[4 * u], dv[4 * u + 1], dv[4 * u + 2], dv[4 * u + 3]);
+          reinterpret_cast<float4*>(frow)[u] = make_float4(fvv[4 * u], fvv[4 * u + 1], fvv[4 * u + 2], fvv[4 * u + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < GV_TS / 2; ++u) {
+          reinterpret_cast<float2*>(drow)[u] = make_float2(dv[2 * u], dv[2 * u + 1]);
+          reinterpret_cast<float2*>(frow)[u] = make_float2(fvv[2 * u], fvv[2 * u + 1]);
+        }
       }
     };
     if constexpr (GK) {
@@ -866,7 +890,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         for (int nt = 0; nt < NB; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float f = fast_exp2(dt[(C - 1) * ldd + 8 * nt + c4 + e]);
+            const float f = fast_exp2(dt[(8 * nt + c4 + e) * ldt + C - 1]);
 #pragma unroll
             for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
@@ -917,7 +941,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             for (int r = 0; r < 4; ++r) {
               const int j = 16 * kt + c4 + 8 * (r & 1), b = 16 * np + 8 * (r >> 1) + r4;
               const float2 x = unpack2<T>(vb4[r]);
-              const float2 f = *reinterpret_cast<const float2*>(fv + b * ldf + j);  // (j even, ldf even)
+              const float2 f = *reinterpret_cast<const float2*>(fv + b * ldt + j);  // (j even, ldt even)
               vb4[r] = pack2<T>(f.x == 0.f ? 0.f : x.x * f.x, f.y == 0.f ? 0.f : x.y * f.y);
             }
           }
@@ -1216,7 +1240,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // term is first scaled by e^{D_r}, and the whole sum by e^{D_i - D_r} after A V.
     const float* dt = GV ? gvt_ptr(buf) : nullptr;
     // D_r of column b (reread from shared memory where needed: registers are short here).
-    auto d_ref = [&](int b) { return mi > 0 ? dt[ref_row * ldd + b] : 0.f; };
+    auto d_ref = [&](int b) { return mi > 0 ? dt[b * ldt + ref_row] : 0.f; };
     float drv[GV ? NTW : 1];  // D_r of the thread's v operand's column nbase + 8 t + r4
     bool gv_fast = true;
     if constexpr (GV) {
@@ -1236,7 +1260,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
 #pragma unroll
       for (int u = 0; u < 4 * NTW; ++u) {
         const int b = nbase + (lane >> 4) * 4 * NTW + u;
-        dev = fmaxf(dev, fabsf(dt[jr * ldd + b] - d_ref(b)));
+        dev = fmaxf(dev, fabsf(dt[b * ldt + jr] - d_ref(b)));
       }
       gv_fast = __all_sync(0xffffffffu, dev <= chunked_gk_fast_log2);
     }
@@ -1253,7 +1277,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       auto scale_v = [&](unsigned& x, int r, int t8) {
         const int j = 16 * kt + c4 + 8 * (r & 1), b = nbase + 8 * t8 + r4;
         const float2 y = unpack2<T>(x);
-        const float fa = fast_exp2(drv[t8] - dt[j * ldd + b]), fb = fast_exp2(drv[t8] - dt[(j + 1) * ldd + b]);
+        const float2 d = *reinterpret_cast<const float2*>(dt + b * ldt + j);  // (j even, ldt even)
+        const float fa = fast_exp2(drv[t8] - d.x), fb = fast_exp2(drv[t8] - d.y);
         x = pack2<bfloat16>(fa == 0.f ? 0.f : y.x * fa, fb == 0.f ? 0.f : y.y * fb);
       };
       if constexpr (NTW >= 2) {
@@ -1289,7 +1314,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           const float dr = d_ref(b);
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const float f = fast_exp2(dt[(hh ? i_hi : i_lo) * ldd + b] - dr);
+            const float f = fast_exp2(dt[b * ldt + (hh ? i_hi : i_lo)] - dr);
             O[t][2 * hh + e] = f == 0.f ? 0.f : O[t][2 * hh + e] * f;
           }
         }
@@ -1314,9 +1339,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             for (int e = 0; e < 2; ++e) {
               const int b = nbase + 8 * t + c4 + e;
               const float vj = unpack2<T>(unsigned(sv[j * ldv + b])).x;
-              const float dj = dt[j * ldd + b];
-              if (j <= i_lo) O[t][e] = fmaf(a_lo * vj, fast_exp2(dt[i_lo * ldd + b] - dj), O[t][e]);
-              if (j <= i_hi) O[t][2 + e] = fmaf(a_hi * vj, fast_exp2(dt[i_hi * ldd + b] - dj), O[t][2 + e]);
+              const float dj = dt[b * ldt + j];
+              if (j <= i_lo) O[t][e] = fmaf(a_lo * vj, fast_exp2(dt[b * ldt + i_lo] - dj), O[t][e]);
+              if (j <= i_hi) O[t][2 + e] = fmaf(a_hi * vj, fast_exp2(dt[b * ldt + i_hi] - dj), O[t][2 + e]);
             }
         }
       }

@@ -129,9 +129,10 @@ inline int chunked_max_chunk(const problem& p) { return p.has(gate_gk) && p.K > 
 
 /// The shrinking of a chunked block that does not fit in shared memory: the value columns
 /// first (then the chunk), except with gv, where the chunk gives way first. Measured on an
-/// H100 (bench/README.md, 2026-12-06 08:20), B4 T4096 H16 K=V=128 (64 columns: 128 blocks, one
-/// wave; 32: two): gk + gv, which does not fit 64 tokens x 64 columns, 0.90 ms at 32 x 64
-/// against 1.27 at 64 x 32; gv alone fits 64 x 64 (0.55 ms; 32 x 64: 0.57).
+/// H100 (bench/README.md, 2026-12-06), B4 T4096 H16 K=V=128 (64 columns: 128 blocks, one
+/// wave; 32: two): gk + gv, which does not fit 64 tokens x 64 columns, 0.88 ms at 32 x 64
+/// against 1.27 at 64 x 32; gv alone 0.54 ms at 32 x 64 (64 x 64 no longer fits since the
+/// tables went column-major; it took 0.55 before).
 inline void fit_chunked(const problem& p, int& bv, int& chunk, bool bv_free, bool chunk_free) {
   const std::size_t budget = smem_budget();
   while (chunk_free && p.has(gate_gv) && chunk > 32 && chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
