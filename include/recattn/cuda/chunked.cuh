@@ -69,8 +69,8 @@
 //
 // gv (the template flag GV, beside any GATE): the decay per value column b of the block makes
 // a second table D[l][b] (log2 units, stored [b][l], double buffered like gk's), scanned by
-// the state warps for chunk c + 1 at the end of chunk c from gv values loaded into registers
-// at its start:
+// the state warps for chunk c + 1 at the end of chunk c from its gv rows, staged in shared
+// memory by cp.async at the start of chunk c:
 //   o_i[b] = scale * ( e^{D_i[b]} (q~_i S)[b]  +  sum_{j<=i} A_ij e^{D_i[b] - D_j[b]} v_j[b] )
 //   S[:, b] <- e^{D_C[b]} S[:, b] + sum_j k~_j^T (v_j[b] e^{D_C[b] - D_j[b]})
 // with A and k~ those of the key-side gates. The state warps scale the v operand registers
@@ -133,6 +133,8 @@ struct chunked_layout {
   // Column-major: a scanning lane's tokens are adjacent (16-byte stores).
   int ldt = 0;
   unsigned off_gvt = 0, gvt_bytes = 0, gvf_off = 0;
+  // gv's rows of the next chunk as given, [C][gv_pitch bytes], copied by cp.async.
+  unsigned off_gvs = 0, gvs_bytes = 0, gv_pitch = 0;
   // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
   // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
   // then one mbarrier (8 bytes) a row tile that orders the exchange.
@@ -146,9 +148,9 @@ inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 /// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
 /// tables instead of the per-warp scalar scans.
 /// `gk_es`: gk's element size (its rows are staged in shared memory for 2 and 4); `gv`: the
-/// per-column decay tables.
+/// per-column decay tables and the staged gv rows (`gv_es`: gv's element size).
 inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false,
-                                          int gk_es = 0, bool gv = false) {
+                                          int gk_es = 0, bool gv = false, int gv_es = 0) {
   chunked_layout L;
   L.C = C;
   L.Kp = int((K + 15) / 16 * 16);
@@ -182,7 +184,12 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
     L.gvf_off = unsigned(align128(std::size_t(BV) * L.ldt * 4));
     L.gvt_bytes = 2 * L.gvf_off;
   }
-  L.off_xa = L.off_gvt + 2 * L.gvt_bytes;
+  L.off_gvs = L.off_gvt + 2 * L.gvt_bytes;
+  if (gv) {
+    L.gv_pitch = unsigned(BV * gv_es + 16);  // 16 bytes of pad a row
+    L.gvs_bytes = unsigned(align128(std::size_t(C) * L.gv_pitch));
+  }
+  L.off_xa = L.off_gvs + L.gvs_bytes;
   L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32 * 8));
   L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16) * 8);
   return L;
@@ -345,9 +352,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   static_assert(NWS == 8 && C % NW == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   static_assert(!(GV && LOCAL), "gv: no split-state pass (chunked_splits is 1 with gv)");
-  // gv's scan: a state warp takes GV_NCW of the block's columns, its lanes GV_NSEG runs of
-  // GV_TS consecutive tokens of each.
-  constexpr int GV_NCW = BV / 8, GV_NSEG = 32 / GV_NCW, GV_TS = C / GV_NSEG;
+  // gv's scan: state warp sw < BV / 8 takes the block's columns [8 sw, 8 sw + 8) (GV_NCW), its
+  // lanes GV_NSEG runs of GV_TS consecutive tokens of each.
+  constexpr int GV_NCW = 8, GV_NSEG = 32 / GV_NCW, GV_TS = C / GV_NSEG;
   // The A V products with gv read bfloat16 operands for both input dtypes: the diagonal
   // tile's v rows are scaled by up to 2^64 (chunked_gk_fast_log2), past half's range.
   using AVT = std::conditional_t<GV, bfloat16, T>;
@@ -735,49 +742,44 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // gv: the table of chunk c, D[l][b] = log2(e) * sum over the chunk's tokens up to l of gv
     // of the block's value column b (a token's value clamped below at chunked_gk_floor; zero
     // past the sequence end and past the block's real columns). Lane: column
-    // sw GV_NCW + lane % GV_NCW, tokens of run lane / GV_NCW. The loads of chunk c + 1 are
-    // issued at the start of chunk c (into registers, as the bits of gv's dtype) and scanned at
-    // its end, so their latency hides behind the chunk's products.
+    // 8 sw + lane % 8, tokens of run lane / 8. Chunk c + 1's gv rows go into shared memory by
+    // cp.async at the start of chunk c (each scanning warp its own 8 columns, so it waits for
+    // its own copies only) and are scanned at its end. (Loaded into registers instead, the
+    // loads were moved by the compiler down to the scan, which then waited for each: a third
+    // of gv's time on an H100, bench/README.md.)
+    const bool gv_scans = sw < BV / GV_NCW;
     const int gv_col = sw * GV_NCW + lane % GV_NCW, gv_run = lane / GV_NCW;
-    // (16-bit gv: two tokens a register, token 2 u in the low half of x[u].)
-    auto load_gv = [&](std::int64_t c, unsigned (&x)[GV_TS]) {
+    auto issue_gv = [&](std::int64_t c) {
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + gv_col;
-      auto rows = [&](auto tag) {
-        using G = typename decltype(tag)::type;
-        const G* gp = reinterpret_cast<const G*>(p.gv.data);
-#pragma unroll
-        for (int e = 0; e < GV_TS; ++e) {
-          const int l = gv_run * GV_TS + e;
-          const bool real = l < cl && gv_col < w;
-          const std::int64_t t = tok(i0 + (real ? l : 0));
-          if constexpr (sizeof(G) == 2) {
-            const unsigned y = real ? unsigned(gp[base + t * p.gv.s1]) : 0u;
-            x[e / 2] = e % 2 ? x[e / 2] | (y << 16) : y;
-          } else if constexpr (sizeof(G) == 4) x[e] = real ? reinterpret_cast<const unsigned*>(gp)[base + t * p.gv.s1] : 0u;
-          else x[e] = real ? __float_as_uint(float(gp[base + t * p.gv.s1])) : 0u;
-        }
-      };
-      switch (p.gv.type) {
-        case dtype::bfloat16:
-        case dtype::float16: rows(type_tag<std::uint16_t>()); break;
-        case dtype::float64: rows(type_tag<double>()); break;
-        default: rows(type_tag<unsigned>()); break;
+      const int es = p.gv.es, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
+      const int real16 = (w - sw * GV_NCW) * upt * 8 / GV_NCW;  // real 16-bit elements of the warp's slice
+      unsigned char* rows = chunked_smem + L.off_gvs + sw * GV_NCW * es;
+      const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + sw * GV_NCW;
+      for (int e = lane; e < C * upt; e += 32) {
+        const int l = e / upt, u = e - l * upt;
+        const std::int64_t t = tok(i0 + (l < cl ? l : 0));
+        stage_unit(rows + l * L.gv_pitch + 16 * u, p.gv, (base + t * p.gv.s1) * upt + 8 * u,
+                   l < cl ? min(8, real16 - 8 * u) : 0);
       }
+      cp_async_commit();
     };
-    auto scan_gv = [&](std::int64_t c, const unsigned (&raw)[GV_TS], float* dt) {
+    auto scan_gv = [&](std::int64_t c, float* dt) {
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
+      cp_async_wait<0>();
+      __syncwarp();  // (the copies of the warp's other lanes)
+      const unsigned char* rows = chunked_smem + L.off_gvs + gv_col * p.gv.es;
       float x[GV_TS];
 #pragma unroll
       for (int e = 0; e < GV_TS; ++e) {
         const int l = gv_run * GV_TS + e;
+        const unsigned char* q = rows + l * L.gv_pitch;
         float v;
-        const unsigned r16 = e % 2 ? raw[e / 2] >> 16 : raw[e / 2] & 0xffffu;
-        if (p.gv.type == dtype::bfloat16) v = __uint_as_float(r16 << 16);
-        else if (p.gv.type == dtype::float16) v = __half2float(__ushort_as_half((unsigned short)r16));
-        else v = __uint_as_float(raw[e]);
+        if (p.gv.type == dtype::bfloat16) v = __uint_as_float(unsigned(*reinterpret_cast<const std::uint16_t*>(q)) << 16);
+        else if (p.gv.type == dtype::float16) v = __half2float(*reinterpret_cast<const __half*>(q));
+        else if (p.gv.type == dtype::float64) v = float(*reinterpret_cast<const double*>(q));
+        else v = *reinterpret_cast<const float*>(q);
         v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
         x[e] = l < cl && gv_col < w ? v : 0.f;
       }
@@ -834,10 +836,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
     if constexpr (GV) {
-      if (c_lo < c_hi) {
-        unsigned raw[GV_TS];
-        load_gv(c_lo, raw);
-        scan_gv(c_lo, raw, gvt_ptr(int(c_lo & 1)));
+      if (c_lo < c_hi && gv_scans) {
+        issue_gv(c_lo);
+        scan_gv(c_lo, gvt_ptr(int(c_lo & 1)));
       }
     }
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
@@ -849,9 +850,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if constexpr (GK) {
         if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
       }
-      unsigned gv_raw[GV ? GV_TS : 1];
       if constexpr (GV) {
-        if (c + 1 < c_hi) load_gv(c + 1, gv_raw);
+        if (c + 1 < c_hi && gv_scans) issue_gv(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
       }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       if constexpr (GATED) {
@@ -958,7 +958,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         if (c + 1 < c_hi) staged_scan(c + 1, tab_ptr(buf ^ 1));
       }
       if constexpr (GV) {
-        if (c + 1 < c_hi) scan_gv(c + 1, gv_raw, gvt_ptr(buf ^ 1));
+        if (c + 1 < c_hi && gv_scans) scan_gv(c + 1, gvt_ptr(buf ^ 1));
       }
     });
     if constexpr (LOCAL) {

@@ -118,9 +118,11 @@ inline constexpr std::int64_t chunked_min_tokens = RECATTN_CUDA_CHUNKED_MIN_TOKE
 
 /// gk's element size (0 without gk): the chunked kernel stages gk rows of 2 and 4 bytes.
 inline int chunked_gk_es(const problem& p) { return p.has(gate_gk) ? int(dtype_size(p.gk.type)) : 0; }
+/// gv's element size (0 without gv): its rows are staged.
+inline int chunked_gv_es(const problem& p) { return p.has(gate_gv) ? int(dtype_size(p.gv.type)) : 0; }
 
 inline std::size_t chunked_bytes(const problem& p, int bv, int chunk) {
-  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk), chunked_gk_es(p), p.has(gate_gv)).bytes;
+  return make_chunked_layout(p.K, bv, chunk, false, p.has(gate_gk), chunked_gk_es(p), p.has(gate_gv), chunked_gv_es(p)).bytes;
 }
 
 /// The longest chunk the kernel is compiled for: 64, but 32 with gk and K > 128 (the gk scan
@@ -483,7 +485,7 @@ struct chunked_backend {
       chunked_params P;
       P.f = make_forward_params<Policy>(p, a, bv, nvb);
       constexpr bool gk = Policy::has_gk, gv = Policy::has_gv;
-      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk, chunked_gk_es(p), gv);
+      P.L = make_chunked_layout(p.K, bv, a.c.chunk, false, gk, chunked_gk_es(p), gv, chunked_gv_es(p));
       P.decay_rows = gk;
       P.N = p.N;
       const std::int64_t Bt = p.varlen ? 1 : p.B;
