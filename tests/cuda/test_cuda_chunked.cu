@@ -33,6 +33,43 @@ const unsigned key_gates[] = {0u, g_, gg_, g_ | gg_, gk_, g_ | gk_, gg_ | gk_, g
 const unsigned all_gates[] = {0u,  g_,       gg_,       g_ | gg_,       gk_,       g_ | gk_,       gg_ | gk_,       g_ | gg_ | gk_,
                               gv_, g_ | gv_, gg_ | gv_, g_ | gg_ | gv_, gk_ | gv_, g_ | gk_ | gv_, gg_ | gk_ | gv_, g_ | gg_ | gk_ | gv_};
 
+/// A case of the per-channel and per-column decay loops: B2 T200 H2 K40 V24 with an initial
+/// state; the gate dtype, direction and gamma layout drawn from the seed; g (when present) in
+/// [-1, 0].
+spec decay_case(dtype t, unsigned gates, std::uint64_t seed) {
+  spec s;
+  s.type = t;
+  s.gate_type = (seed & 8) ? t : dtype::float32;
+  s.gates = gates;
+  if (gates & g_) s.scalar_range = std::make_pair(-1.0, 0.0);
+  s.B = 2;
+  s.T = 200;
+  s.Hq = s.Hk = s.Hv = 2;
+  s.K = 40;
+  s.V = 24;
+  s.reverse = (seed & 1) != 0;
+  s.initial_state = true;
+  s.gamma_per_seq = (seed & 2) != 0;
+  s.seed = seed;
+  return s;
+}
+
+/// A case of the exact-zero (-inf) decay loops: T300, V40, K = 144 for every = 7 (two state row
+/// tiles a warp) else 40, an initial state, reverse for every = 37.
+spec neg_inf_case(dtype t, unsigned gates, int every, std::uint64_t seed) {
+  spec s;
+  s.type = t;
+  s.gate_type = t;
+  s.gates = gates;
+  s.T = 300;
+  s.K = every == 7 ? 144 : 40;
+  s.V = 40;
+  s.initial_state = true;
+  s.reverse = every == 37;
+  s.seed = seed;
+  return s;
+}
+
 recattn::problem problem_of(instance& in) {
   recattn::forward_outputs outs{in.out.dev_mview(), std::nullopt};
   if (in.s.return_state) outs.final_state = in.ht.dev_mview();
@@ -158,39 +195,17 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
     for (unsigned gates : {gk_, g_ | gk_, g_ | gg_ | gk_})
       for (const auto& r : gk_ranges) {
         if (t == dtype::float16 && r.second > 0.0) continue;  // (growth past half's range, as above)
-        spec s;
-        s.type = t;
-        s.gate_type = (seed & 8) ? t : dtype::float32;
-        s.gates = gates;
+        spec s = decay_case(t, gates, seed++);
         s.gk_range = r;
-        if (gates & g_) s.scalar_range = std::make_pair(-1.0, 0.0);
-        s.B = 2;
-        s.T = 200;
-        s.Hq = s.Hk = s.Hv = 2;
-        s.K = 40;
-        s.V = 24;
-        s.reverse = (seed & 1) != 0;
-        s.initial_state = true;
-        s.gamma_per_seq = (seed & 2) != 0;
-        s.seed = seed++;
         require_agreement(s, (seed & 4) ? 32 : 64);
       }
   // gk of exactly 0 decay (-inf) in scattered channels and tokens (every n-th element), and
   // everywhere (each token starts afresh); K > 128 (two state row tiles a warp, chunks of 32).
   for (dtype t : mma_types)
     for (int every : {1, 7, 37, 64}) {
-      spec s;
-      s.type = t;
-      s.gate_type = t;
-      s.gates = gk_;
+      spec s = neg_inf_case(t, gk_, every, seed++);
       s.gk_range = std::make_pair(-2.0, 0.0);
       s.gk_neg_inf_every = every;
-      s.T = 300;
-      s.K = every == 7 ? 144 : 40;
-      s.V = 40;
-      s.initial_state = true;
-      s.reverse = every == 37;
-      s.seed = seed++;
       require_agreement(s, every == 64 ? 64 : 32);
     }
   // Per-column decays (gv alone, with gk, with g): strong ones (every diagonal tile past
@@ -200,39 +215,18 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
     for (unsigned gates : {gv_, gk_ | gv_, g_ | gv_, g_ | gg_ | gk_ | gv_})
       for (const auto& r : gk_ranges) {
         if (t == dtype::float16 && r.second > 0.0) continue;  // (growth past half's range, as above)
-        spec s;
-        s.type = t;
-        s.gate_type = (seed & 8) ? t : dtype::float32;
-        s.gates = gates;
+        spec s = decay_case(t, gates, seed++);
         s.gv_range = r;
         if (gates & gk_) s.gk_range = std::make_pair(r.first / 2, std::min(0.0, r.second));
-        if (gates & g_) s.scalar_range = std::make_pair(-1.0, 0.0);
-        s.B = 2;
-        s.T = 200;
-        s.Hq = s.Hk = s.Hv = 2;
-        s.K = 40;
-        s.V = (seed & 2) ? 24 : 72;
-        s.reverse = (seed & 1) != 0;
-        s.initial_state = true;
-        s.gamma_per_seq = (seed & 2) != 0;
-        s.seed = seed++;
+        s.V = (s.seed & 2) ? 24 : 72;
         require_agreement(s, (seed & 4) ? 32 : 64, (seed & 16) ? 16 : 0);
       }
   // gv of exactly 0 decay (-inf) in scattered columns and tokens, and everywhere; with gk.
   for (dtype t : mma_types)
     for (int every : {1, 7, 37, 64}) {
-      spec s;
-      s.type = t;
-      s.gate_type = t;
-      s.gates = gv_ | (every == 7 ? gk_ : 0u);
+      spec s = neg_inf_case(t, gv_ | (every == 7 ? gk_ : 0u), every, seed++);
       s.gv_range = std::make_pair(-2.0, 0.0);
       s.gv_neg_inf_every = every;
-      s.T = 300;
-      s.K = every == 7 ? 144 : 40;
-      s.V = 40;
-      s.initial_state = true;
-      s.reverse = every == 37;
-      s.seed = seed++;
       require_agreement(s, every == 64 ? 64 : 32);
     }
 }
