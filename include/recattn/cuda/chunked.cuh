@@ -433,11 +433,45 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
   // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
   const int UK = Kp / 8;
+  // A whole chunk of 16-byte aligned rows with K and the block's columns whole units (the
+  // common case) takes the short path: a lane's source pointers advance by a row stride, one
+  // 16-byte cp.async a unit, no per-unit bounds, token or 64-bit index arithmetic (ncu on an
+  // H100, g at B4: the general path below cost ~400 of an output warp's ~1700 instructions a
+  // chunk). Lanes past K (K a multiple of 8, not of 16) zero-fill their unit.
+  const bool stage_fast = p.q.align == 16 && p.k.align == 16 && p.v.align == 16 && p.K % 8 == 0 && w % 8 == 0;
+  const std::int64_t q_tok = reverse ? -p.q.s1 : p.q.s1, k_tok = reverse ? -p.k.s1 : p.k.s1,
+                     v_tok = reverse ? -p.v.s1 : p.v.s1;  // elements from one row of the chunk to the next
   auto issue_stage = [&](std::int64_t c) {
     unsigned char* s = stage_ptr(int(c & 1));
     const std::int64_t i0 = c * C;
     const int cl = int(len - i0 < C ? len - i0 : C);
     const int e0 = 8 * lane;
+    if (stage_fast && cl == C) {
+      const std::int64_t t0 = tok(i0 + warp);  // the warp's first row; row warp + NW j is NW j tokens on
+      const std::uint16_t* qs = reinterpret_cast<const std::uint16_t*>(p.q.data) + (q_base + t0 * p.q.s1 + e0);
+      const std::uint16_t* ks = reinterpret_cast<const std::uint16_t*>(p.k.data) + (k_base + t0 * p.k.s1 + e0);
+      const std::uint16_t* vs = reinterpret_cast<const std::uint16_t*>(p.v.data) + (v_base + t0 * p.v.s1 + e0);
+      const bool qk_real = e0 < p.K, v_real = e0 < w;
+      const int qk_bytes = qk_real ? 16 : 0, v_bytes = v_real ? 16 : 0;
+      // (units past K or w: a valid address, nothing read)
+      if (!qk_real) qs = ks = reinterpret_cast<const std::uint16_t*>(p.k.data);
+      if (!v_real) vs = reinterpret_cast<const std::uint16_t*>(p.v.data);
+      const std::int64_t qst = qk_real ? NW * q_tok : 0, kst = qk_real ? NW * k_tok : 0, vst = v_real ? NW * v_tok : 0;
+      unsigned char* dq = s + (warp * ldk + e0) * 2;
+      unsigned char* dv = s + L.off_v + (warp * ldv + e0) * 2;
+#pragma unroll
+      for (int j = 0; j < RPW; ++j) {
+        if (lane < UK) {
+          if (!LOCAL) cp_async<16>(dq, qs, qk_bytes);
+          cp_async<16>(dq + L.off_k, ks, qk_bytes);
+        }
+        if (lane < NB) cp_async<16>(dv, vs, v_bytes);
+        qs += qst, ks += kst, vs += vst;
+        dq += NW * ldk * 2, dv += NW * ldv * 2;
+      }
+      cp_async_commit();
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < RPW; ++j) {
       const int l = warp + NW * j;
@@ -457,13 +491,17 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // at the load made every warp wait there for global memory once a chunk (H100 profile of g,
   // 2026-12-05). Doubles are converted at the load (rounded to float, as before).
   constexpr int TPL = C / 32;
+  // (The lane's first token and its index once; the next one a stride on: the index
+  // arithmetic per token was ~45 instructions, ncu on an H100.)
+  const std::int64_t g_row = bidx * p.g_s0 + std::int64_t(h) * p.g_s2, g_tok = reverse ? -p.g_s1 : p.g_s1;
   auto load_g = [&](std::int64_t c, unsigned (&x)[TPL]) {
+    const std::int64_t i_first = g_row + tok(c * C + lane * TPL) * p.g_s1;
 #pragma unroll
     for (int e = 0; e < TPL; ++e) {
       const int l = lane * TPL + e;
       x[e] = 0u;
       if (has_g && c * C + l < len) {
-        const std::int64_t i = bidx * p.g_s0 + tok(c * C + l) * p.g_s1 + std::int64_t(h) * p.g_s2;
+        const std::int64_t i = i_first + e * g_tok;
         switch (p.g_type) {
           case dtype::bfloat16:
           case dtype::float16: x[e] = static_cast<const std::uint16_t*>(p.g)[i]; break;
