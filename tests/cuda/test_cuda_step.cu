@@ -308,6 +308,32 @@ TEST_CASE("cuda step: cfg.block_v, int64 and large K, a non-blocking stream", "[
   cuda_ok(cudaStreamDestroy(stream), "stream");
 }
 
+TEST_CASE("cuda step: one block a whole state slice, many heads", "[cuda][step]") {
+  // Enough (row, head) slices that the heuristic keeps a block per slice (>= 2 an SM on 132
+  // SMs, as in issue 6's benchmark, which the other cases are too small for), or cfg.block_v
+  // = V; V = 40 leaves lanes of the block without columns.
+  struct sz {
+    std::int64_t B, H, K, V;
+    int block_v;
+  };
+  std::uint64_t seed = 500;
+  for (const sz& z : {sz{34, 8, 128, 128, 0}, sz{68, 4, 64, 40, 0}, sz{4, 2, 128, 128, 128}, sz{4, 2, 96, 64, 64}})
+    for (dtype st : {dtype::bfloat16, dtype::float32})
+      for (bool single : {true, false}) {
+        step_case c;
+        c.B = z.B, c.Hq = c.Hk = c.Hv = z.H, c.K = z.K, c.V = z.V;
+        c.block_v = st == dtype::bfloat16 ? z.block_v : z.block_v / 2;
+        c.state = st;
+        c.type = dtype::bfloat16;
+        c.gates = single ? 4 : 15;  // gk; every gate
+        c.single = single;
+        c.T = 3;
+        c.snapshots = !single;
+        c.seed = seed++;
+        check(c);
+      }
+}
+
 TEST_CASE("cuda step from an initial state equals the double reference over the same tokens", "[cuda][step]") {
   // The pool holds the initial states (no indices: row b is slot b); T tokens in one call.
   for (dtype type : {dtype::float32, dtype::bfloat16})
