@@ -155,20 +155,9 @@ TEST_CASE("cuda chunked: strong, mixed, positive and zero (-inf) decays", "[cuda
         // Growing stretches of [-1, 0.8] take outputs past half's largest finite value (65504;
         // the recurrent kernel writes inf there too): bfloat16 covers growth.
         if (t == dtype::float16 && r.second > 0.0) continue;
-        spec s;
-        s.type = t;
+        spec s = decay_case(t, gates, seed++);  // (its shape; the gates in the input dtype, the range r)
         s.gate_type = t;
-        s.gates = gates;
         s.scalar_range = r;
-        s.B = 2;
-        s.T = 200;
-        s.Hq = s.Hk = s.Hv = 2;
-        s.K = 40;
-        s.V = 24;
-        s.reverse = (seed & 1) != 0;
-        s.initial_state = true;
-        s.gamma_per_seq = (seed & 2) != 0;
-        s.seed = seed++;
         require_agreement(s, (seed & 4) ? 32 : 64);
       }
   // Decays of exactly 0 (g = -inf) between ordinary ones: inside chunks, at their first and
