@@ -118,7 +118,10 @@ struct chunked_layout {
   unsigned off_raw = 0;           ///< two stages
   unsigned off_st = 0;            ///< two S~ buffers of st_bytes
   unsigned st_bytes = 0;
-  unsigned off_scan = 0;  ///< per warp: G log2(e), e^{G_i}, e^{G_C - G_j} (float), segment (int), [C] each
+  /// Two scans of the scalar decays (chunk c in buffer c & 1, written by the scanning warp
+  /// during chunk c - 1): G log2(e), segment (int), e^{G_i}, e^{G_C - G_j} (float), [C] each,
+  /// then the chunk's total G_C (double) and its segment count (int).
+  unsigned off_scan = 0;
   unsigned scan_bytes = 0;
   // gk: two tables of the chunk's cumulative log2 decays per key channel, [C][ldb] float, and
   // two sets of fallback flags (a word per state warp: bit m, row tile m needs the fallback).
@@ -164,10 +167,9 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.off_raw = 0;
   L.st_bytes = local ? 0u : unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
-  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4)));
+  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4) + 16));
   L.off_scan = L.off_st + 2 * L.st_bytes;
-  L.off_tab = unsigned(std::size_t(L.off_scan) +
-                       std::size_t(local ? chunked_warps - chunked_out_warps : chunked_warps) * L.scan_bytes);
+  L.off_tab = L.off_scan + 2 * L.scan_bytes;
   if (gk) {
     L.ldb = L.Kp + 4;  // 4 words of pad: the state warps' reads of 8 channels x 4 tokens hit 32 banks
     L.tab_bytes = unsigned(align128(std::size_t(C) * L.ldb * 4));
@@ -401,11 +403,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
 
   auto stage_ptr = [&](int s) { return chunked_smem + L.off_raw + unsigned(s) * L.stage; };
   auto st_ptr = [&](int s) { return reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_st + unsigned(s) * L.st_bytes); };
-  unsigned char* scan = chunked_smem + L.off_scan + unsigned(warp) * L.scan_bytes;
-  float* sG = reinterpret_cast<float*>(scan);  // G log2(e)
-  int* sSeg = reinterpret_cast<int*>(scan + 4 * C);
-  float* sFi = reinterpret_cast<float*>(scan + 8 * C);
-  float* sFc = reinterpret_cast<float*>(scan + 12 * C);
+  // The scalar decays' scan of the current chunk (chunk_loop points these at its buffer).
+  auto scan_ptr = [&](int s) { return chunked_smem + L.off_scan + unsigned(s) * L.scan_bytes; };
+  const float* sG = nullptr;   // G log2(e)
+  const int* sSeg = nullptr;   // segment: zero decays before the token
+  const float* sFi = nullptr;  // e^{G_i} (0 in a later segment)
+  const float* sFc = nullptr;  // e^{G_C - G_j} (0 before the last segment)
   auto tab_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_tab + unsigned(s) * L.tab_bytes); };
   auto flag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_flag) + 8 * s; };
   const int ldb = L.ldb;
@@ -524,82 +527,107 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // 2026-12-05; a __syncwarp() before it did not change that).
   auto block_sync = [] { asm volatile("barrier.sync 1, %0;\n" ::"n"(32 * NW) : "memory"); };
 
-  // The chunk loop of one role: every warp stages its share of chunk c + 1, loads the gates
-  // and scans the chunk's decays for itself; then the role's work.
+  // The scalar decays' scan of chunk c into buffer c & 1 (one warp, from the gate values of
+  // load_g): cumulative sums in double (a warp scan), a new segment at each zero decay; kept
+  // as G log2(e) in float, with the chunk's total and segment count.
+  auto scan_chunk = [&](std::int64_t c, const unsigned (&gbits)[TPL]) {
+    const int cl = int(len - c * C < C ? len - c * C : C);
+    unsigned char* sb = scan_ptr(int(c & 1));
+    float* wG = reinterpret_cast<float*>(sb);
+    int* wSeg = reinterpret_cast<int*>(sb + 4 * C);
+    float* wFi = reinterpret_cast<float*>(sb + 8 * C);
+    float* wFc = reinterpret_cast<float*>(sb + 12 * C);
+    double y[TPL];
+    int z[TPL];
+    double s = 0.0;
+    int sc = 0;
+#pragma unroll
+    for (int e = 0; e < TPL; ++e) {
+      const int l = lane * TPL + e;
+      const double x = l < cl ? gamma + double(g_value(gbits[e])) : 0.0;
+      z[e] = x < -1e4 ? 1 : 0;
+      y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
+      s += y[e];
+      sc += z[e];
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const double t = __shfl_up_sync(0xffffffffu, s, off);
+      const int tc = __shfl_up_sync(0xffffffffu, sc, off);
+      if (lane >= off) {
+        s += t;
+        sc += tc;
+      }
+    }
+    double G = __shfl_up_sync(0xffffffffu, s, 1);
+    int seg = __shfl_up_sync(0xffffffffu, sc, 1);
+    if (lane == 0) {
+      G = 0.0;
+      seg = 0;
+    }
+    const double GC = __shfl_sync(0xffffffffu, s, 31);
+    const int segC = __shfl_sync(0xffffffffu, sc, 31);
+#pragma unroll
+    for (int e = 0; e < TPL; ++e) {
+      const int l = lane * TPL + e;
+      G += y[e];
+      seg += z[e];
+      wG[l] = float(G) * kLog2e;
+      wSeg[l] = seg;
+      wFi[l] = seg == 0 ? fast_exp2(float(G) * kLog2e) : 0.f;
+      wFc[l] = seg == segC ? fast_exp2(float(GC - G) * kLog2e) : 0.f;
+    }
+    if (lane == 0) {
+      *reinterpret_cast<double*>(sb + 16 * C) = GC;
+      *reinterpret_cast<int*>(sb + 16 * C + 8) = segC;
+    }
+  };
+  // The chunk loop of one role: every warp stages its share of chunk c + 1; then the role's
+  // work. With scalar decays one warp (the last state warp: the state warps wait at the chunk
+  // barrier for the output warps there) scans chunk c + 1 after its work on chunk c, and
+  // loads the gate values of chunk c + 2; every warp scanning every chunk for itself cost the
+  // output warps ~150 instructions a chunk (ncu, H100, g at B4).
   auto chunk_loop = [&](auto&& work) {
+    const bool scanner = GATED && warp == NW - 1;
     unsigned gnext[TPL];
 #pragma unroll
     for (int e = 0; e < TPL; ++e) gnext[e] = 0u;
     if (c_lo < c_hi) {
       issue_stage(c_lo);
-      if (GATED) load_g(c_lo, gnext);
+      if (scanner) {
+        load_g(c_lo, gnext);
+        scan_chunk(c_lo, gnext);
+        if (c_lo + 1 < c_hi) load_g(c_lo + 1, gnext);
+      }
     }
     for (std::int64_t c = c_lo; c < c_hi; ++c) {
       const int buf = int(c & 1);
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      unsigned gcur[TPL];
-#pragma unroll
-      for (int e = 0; e < TPL; ++e) gcur[e] = gnext[e];
       cp_async_wait<0>();
-      block_sync();  // chunk c staged and S~ written, by every thread; chunk c - 1 done
-      if (c + 1 < c_hi) {
-        issue_stage(c + 1);
-        if (GATED) load_g(c + 1, gnext);
-      }
-      // The decay scan of the chunk, by every warp for itself: cumulative sums in double (a
-      // warp scan), a new segment at each zero decay; kept as G log2(e) in float.
+      block_sync();  // chunk c staged and scanned, S~ written, by every thread; chunk c - 1 done
+      if (c + 1 < c_hi) issue_stage(c + 1);
       float GC2 = 0.f;
       double GC = 0.0;
       int segC = 0;
       if constexpr (GATED) {
-        double y[TPL];
-        int z[TPL];
-        double s = 0.0;
-        int sc = 0;
-#pragma unroll
-        for (int e = 0; e < TPL; ++e) {
-          const int l = lane * TPL + e;
-          const double x = l < cl ? gamma + double(g_value(gcur[e])) : 0.0;
-          z[e] = x < -1e4 ? 1 : 0;
-          y[e] = z[e] ? 0.0 : (x > 1e4 ? 1e4 : x);  // (NaN passes into G)
-          s += y[e];
-          sc += z[e];
-        }
-#pragma unroll
-        for (int off = 1; off < 32; off *= 2) {
-          const double t = __shfl_up_sync(0xffffffffu, s, off);
-          const int tc = __shfl_up_sync(0xffffffffu, sc, off);
-          if (lane >= off) {
-            s += t;
-            sc += tc;
-          }
-        }
-        double G = __shfl_up_sync(0xffffffffu, s, 1);
-        int seg = __shfl_up_sync(0xffffffffu, sc, 1);
-        if (lane == 0) {
-          G = 0.0;
-          seg = 0;
-        }
-        GC = __shfl_sync(0xffffffffu, s, 31);
-        segC = __shfl_sync(0xffffffffu, sc, 31);
+        const unsigned char* sb = scan_ptr(buf);
+        sG = reinterpret_cast<const float*>(sb);
+        sSeg = reinterpret_cast<const int*>(sb + 4 * C);
+        sFi = reinterpret_cast<const float*>(sb + 8 * C);
+        sFc = reinterpret_cast<const float*>(sb + 12 * C);
+        GC = *reinterpret_cast<const double*>(sb + 16 * C);
+        segC = *reinterpret_cast<const int*>(sb + 16 * C + 8);
         GC2 = float(GC) * kLog2e;
-#pragma unroll
-        for (int e = 0; e < TPL; ++e) {
-          const int l = lane * TPL + e;
-          G += y[e];
-          seg += z[e];
-          sG[l] = float(G) * kLog2e;
-          sSeg[l] = seg;
-          sFi[l] = seg == 0 ? fast_exp2(float(G) * kLog2e) : 0.f;
-          sFc[l] = seg == segC ? fast_exp2(float(GC - G) * kLog2e) : 0.f;
-        }
-        __syncwarp();
       }
       const unsigned char* stg = stage_ptr(buf);
       work(c, buf, i0, cl, reinterpret_cast<const std::uint16_t*>(stg),
            reinterpret_cast<const std::uint16_t*>(stg + L.off_k), reinterpret_cast<const std::uint16_t*>(stg + L.off_v),
            GC2, GC, segC);
+      if (scanner && c + 1 < c_hi) {
+        scan_chunk(c + 1, gnext);  // (buffer c + 1 & 1 was last read in chunk c - 1)
+        if (c + 2 < c_hi) load_g(c + 2, gnext);
+      }
     }
   };
 
@@ -761,6 +789,21 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       for (int ms = 0; ms < MS; ++ms) {
         const int a0 = 16 * (sw + NWS * ms);
         if (a0 >= Kp) continue;  // (warp-uniform)
+        if (cl == C && p.gk.align == 16 && a0 + 16 <= p.K) {
+          // A whole chunk of aligned rows and 16 real channels: as issue_stage's short path
+          // (a lane's units are 32 / es rows apart).
+          const int l0 = lane / es, u = lane - l0 * es, first = a0 * es / 2 + 8 * u, rstep = 32 / es;
+          const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gk.data) +
+                                     ((gk_base + tok(i0 + l0) * p.gk.s1) * (es / 2) + first);
+          const std::int64_t st = (reverse ? -p.gk.s1 : p.gk.s1) * rstep * (es / 2);
+          unsigned char* dst = rows + l0 * L.gk_pitch + 2 * first;
+          for (int e = lane; e < C * es; e += 32) {
+            cp_async<16>(dst, src, 16);
+            src += st;
+            dst += rstep * L.gk_pitch;
+          }
+          continue;
+        }
         for (int e = lane; e < C * es; e += 32) {  // es units of 16 bytes hold 16 channels
           const int l = e / es, u = e - l * es, first = a0 * es / 2 + 8 * u;
           const std::int64_t t = tok(i0 + (l < cl ? l : 0));
@@ -791,9 +834,25 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
       const int es = p.gv.es, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
-      const int real16 = (w - sw * GV_NCW) * upt * 8 / GV_NCW;  // real 16-bit elements of the warp's slice
+      const int real16 = (w - sw * GV_NCW) * upt;  // real 16-bit elements of the warp's slice
       unsigned char* rows = chunked_smem + L.off_gvs + sw * GV_NCW * es;
       const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + sw * GV_NCW;
+      if (cl == C && p.gv.align == 16 && real16 >= 8 * upt) {
+        // A whole chunk of aligned rows and 8 real columns: as issue_stage's short path (a
+        // lane's units are 32 / upt rows apart).
+        const int l0 = lane / upt, u = lane - l0 * upt, rstep = 32 / upt;
+        const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gv.data) +
+                                   ((base + tok(i0 + l0) * p.gv.s1) * upt + 8 * u);
+        const std::int64_t st = (reverse ? -p.gv.s1 : p.gv.s1) * rstep * upt;
+        unsigned char* dst = rows + l0 * L.gv_pitch + 16 * u;
+        for (int e = lane; e < C * upt; e += 32) {
+          cp_async<16>(dst, src, 16);
+          src += st;
+          dst += rstep * L.gv_pitch;
+        }
+        cp_async_commit();
+        return;
+      }
       for (int e = lane; e < C * upt; e += 32) {
         const int l = e / upt, u = e - l * upt;
         const std::int64_t t = tok(i0 + (l < cl ? l : 0));
