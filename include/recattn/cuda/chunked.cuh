@@ -326,6 +326,11 @@ inline constexpr float chunked_gk_floor = -80.f;
 /// gk: the fast path of a diagonal tile scales q and k about the tile's reference row while
 /// every |B_i - B_ref| (log2) stays within this; bfloat16 then holds both scaled operands.
 inline constexpr float chunked_gk_fast_log2 = 64.f;
+/// Whether the output warps of a row tile split A = Q K^T over the key channels without a
+/// per-channel decay too (with gk they always do: its operand scaling is the cost split).
+#ifndef RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR
+#define RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR 1
+#endif
 
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
 /// or 64 columns), decay (GATE, a chunked_gate) and state row tiles a warp (MS): direction,
@@ -348,6 +353,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the per-warp scans
   constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
+  constexpr bool XA = WPM > 1 && (GK || RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR);  // A split over the row tile's warps
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
   static_assert(!(GK && MS == 2 && C == 64), "gk with K > 128: chunks of 32 (the scan's registers)");
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
@@ -1101,7 +1107,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
     // The output role's mbarriers are invalidated at the end (below); this is the state warps'
     // side of the barrier that orders that after every wait on them.
-    if constexpr (WPM > 1) block_sync();
+    if constexpr (XA) block_sync();
     return;
   }
 
@@ -1116,14 +1122,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // each tile): A once a tile, not WPM times (H100 profile, 2026-12-05: the
   // gk operand scaling, repeated by both warps of a tile, was half of the kernel's instructions).
   const int grp = warp % WPM, grp0 = warp - grp;
-  const int ks0 = grp * nKt / WPM, ks1 = (grp + 1) * nKt / WPM;
+  const int ks0 = XA ? grp * nKt / WPM : 0, ks1 = XA ? (grp + 1) * nKt / WPM : nKt;
   // The exchange is ordered by an mbarrier a row tile (arrive, then wait for the phase), not by
   // a named barrier of the tile's warps: compute-sanitizer's racecheck (H100, 2026-12-05)
   // reported hazards across the chunk barrier whenever a named barrier of part of the block
   // was used beside it.
   const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
   unsigned xphase = 0;  // the parity of the tile's next exchange
-  if (WPM > 1 && out_warp && grp == 0 && lane == 0)
+  if (XA && out_warp && grp == 0 && lane == 0)
     asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mbar), "r"(32 * WPM) : "memory");
   // (the chunk loop's first barrier orders the init before any arrival)
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
@@ -1235,7 +1241,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
     // The partial sums of the tile's other warps (rounded to the input dtype, as A is for A V).
-    if constexpr (WPM > 1) {
+    if constexpr (XA) {
       uint2* xa = reinterpret_cast<uint2*>(chunked_smem + L.off_xa) + lane;
 #pragma unroll
       for (int t = 0; t < 2 * nM; ++t) {
@@ -1466,7 +1472,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // them (PTX: an mbarrier object is invalidated before its shared memory is used for anything
   // else; racecheck on an H100, 2026-12-06, reported the next uses of that memory, cp.async
   // copies into a q/k/v stage, as write-write hazards with the init).
-  if constexpr (WPM > 1) {
+  if constexpr (XA) {
     block_sync();
     if (out_warp && grp == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(mbar) : "memory");
   }
