@@ -120,7 +120,9 @@ struct chunked_layout {
   unsigned st_bytes = 0;
   /// Two scans of the scalar decays (chunk c in buffer c & 1, written by the scanning warp
   /// during chunk c - 1): G log2(e), segment (int), e^{G_i}, e^{G_C - G_j} (float), [C] each,
-  /// then the chunk's total G_C (double) and its segment count (int).
+  /// then the chunk's total G_C (double), its segment count (int) and whether the decay mask
+  /// may take the factored form (int); then that form's row factors [C] and column factors
+  /// [C / 16][C] (float).
   unsigned off_scan = 0;
   unsigned scan_bytes = 0;
   // gk: two tables of the chunk's cumulative log2 decays per key channel, [C][ldb] float, and
@@ -167,7 +169,7 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.off_raw = 0;
   L.st_bytes = local ? 0u : unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
-  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4) + 16));
+  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4) + 16 + std::size_t(C) * (1 + C / 16) * 4));
   L.off_scan = L.off_st + 2 * L.st_bytes;
   L.off_tab = L.off_scan + 2 * L.scan_bytes;
   if (gk) {
@@ -415,6 +417,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const int* sSeg = nullptr;   // segment: zero decays before the token
   const float* sFi = nullptr;  // e^{G_i} (0 in a later segment)
   const float* sFc = nullptr;  // e^{G_C - G_j} (0 before the last segment)
+  const float* sRf = nullptr;  // the factored mask: e^{G_i - G_r} (r: the first row of i's tile)
+  const float* sCf = nullptr;  // e^{G_r - G_j} by row tile, [C / 16][C]
+  bool mask_fast = false;      // whether the chunk's mask takes the factored form
   auto tab_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_tab + unsigned(s) * L.tab_bytes); };
   auto flag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_flag) + 8 * s; };
   const int ldb = L.ldb;
@@ -573,19 +578,52 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
     const double GC = __shfl_sync(0xffffffffu, s, 31);
     const int segC = __shfl_sync(0xffffffffu, sc, 31);
+    float Gl[TPL];  // G log2(e) of the lane's tokens
+    bool mono = true;
 #pragma unroll
     for (int e = 0; e < TPL; ++e) {
       const int l = lane * TPL + e;
       G += y[e];
       seg += z[e];
-      wG[l] = float(G) * kLog2e;
+      Gl[e] = float(G) * kLog2e;
+      mono = mono && y[e] <= 0.0;  // (false for NaN)
+      wG[l] = Gl[e];
       wSeg[l] = seg;
-      wFi[l] = seg == 0 ? fast_exp2(float(G) * kLog2e) : 0.f;
+      wFi[l] = seg == 0 ? fast_exp2(Gl[e]) : 0.f;
       wFc[l] = seg == segC ? fast_exp2(float(GC - G) * kLog2e) : 0.f;
+    }
+    int fast = 0;
+    if constexpr (!LOCAL) {
+      // The decay mask's factored form, e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j} with r the
+      // first row of i's 16-row tile: where no decay grows (G falls) and the chunk has one
+      // segment, e^{G_i - G_r} <= 1, e^{G_r - G_j} <= 1 for the key tiles before i's, and on
+      // i's own tile e^{G_r - G_j} grows to the decay over 15 tokens; the form is taken while
+      // that stays within 2^chunked_gk_fast_log2 (every tile of the chunk), else the mask is
+      // formed elementwise.
+      float* wRf = reinterpret_cast<float*>(sb + 16 * C + 16);
+      float* wCf = wRf + C;
+      constexpr int LPT = 16 / TPL;  // lanes a 16-token tile
+      const float Gr = __shfl_sync(0xffffffffu, Gl[0], lane / LPT * LPT);
+      float dev = 0.f;
+#pragma unroll
+      for (int e = 0; e < TPL; ++e) {
+        dev = fmaxf(dev, Gr - Gl[e]);
+        wRf[lane * TPL + e] = fast_exp2(Gl[e] - Gr);
+      }
+#pragma unroll
+      for (int m = 0; m < C / 16; ++m) {
+        const float Gm = __shfl_sync(0xffffffffu, Gl[0], m * LPT);
+        if (lane / LPT <= m) {
+#pragma unroll
+          for (int e = 0; e < TPL; ++e) wCf[m * C + lane * TPL + e] = fast_exp2(Gm - Gl[e]);
+        }
+      }
+      fast = __all_sync(0xffffffffu, mono && dev <= chunked_gk_fast_log2) && segC == 0 ? 1 : 0;
     }
     if (lane == 0) {
       *reinterpret_cast<double*>(sb + 16 * C) = GC;
       *reinterpret_cast<int*>(sb + 16 * C + 8) = segC;
+      *reinterpret_cast<int*>(sb + 16 * C + 12) = fast;
     }
   };
   // The chunk loop of one role: every warp stages its share of chunk c + 1; then the role's
@@ -624,6 +662,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         sFc = reinterpret_cast<const float*>(sb + 12 * C);
         GC = *reinterpret_cast<const double*>(sb + 16 * C);
         segC = *reinterpret_cast<const int*>(sb + 16 * C + 8);
+        mask_fast = *reinterpret_cast<const int*>(sb + 16 * C + 12) != 0;
+        sRf = reinterpret_cast<const float*>(sb + 16 * C + 16);
+        sCf = sRf + C;
         GC2 = float(GC) * kLog2e;
       }
       const unsigned char* stg = stage_ptr(buf);
@@ -1280,20 +1321,40 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       for (int t = 0; t < NTW; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) O[t][i] = fi[i >> 1] == 0.f ? 0.f : O[t][i] * fi[i >> 1];
+      if (mask_fast) {  // (block-uniform) the factored form (scan_chunk)
+        const float rf[2] = {sRf[i_lo], sRf[i_hi]};
+        const float* cf = sCf + mi * C;
 #pragma unroll
-      for (int t = 0; t < 2 * nM; ++t) {
-        if (t >= 2 * (mi + 1)) break;
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+          const bool diag = t >= 2 * mi;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 8 * t + c4 + e;
-          const float Gj = sG[j];
-          const int segj = sSeg[j];
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * t + c4 + e;
+            const float f = cf[j];
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int i = hh ? i_hi : i_lo;
-            const float m = segi[hh] == segj ? fast_exp2(Gi[hh] - Gj) : 0.f;
-            const float a = A[t][2 * hh + e];
-            A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
+            for (int hh = 0; hh < 2; ++hh) {
+              const float a = A[t][2 * hh + e] * f * rf[hh];
+              A[t][2 * hh + e] = diag && j > (hh ? i_hi : i_lo) ? 0.f : a;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 2 * nM; ++t) {
+          if (t >= 2 * (mi + 1)) break;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * t + c4 + e;
+            const float Gj = sG[j];
+            const int segj = sSeg[j];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int i = hh ? i_hi : i_lo;
+              const float m = segi[hh] == segj ? fast_exp2(Gi[hh] - Gj) : 0.f;
+              const float a = A[t][2 * hh + e];
+              A[t][2 * hh + e] = (j > i || m == 0.f) ? 0.f : a * m;
+            }
           }
         }
       }
