@@ -26,9 +26,13 @@
 // from and took B4 T4096 H16 from 0.53 to 0.47 ms with g on an H100 (bench/README.md).
 // q, k, v of chunk c + 1 are copied into the other of two raw stages by cp.async while chunk
 // c is computed (zero-filled past the sequence end and past K or BV), S~ is double buffered,
-// so one barrier a chunk orders everything; the scalar gates of chunk c + 1 are loaded into
-// registers during chunk c, and every warp scans the chunk's log decays itself (a warp scan
-// in double, kept as G log2(e) in float for exp2), so the factors need no barrier either.
+// so one barrier a chunk orders everything. With scalar gates one state warp (the scanner)
+// scans chunk c + 1's log decays after its work on chunk c (a warp scan in double, kept as
+// G log2(e) in float for exp2) into the other of two scan buffers, with the factor tables of
+// the decay mask: where no decay in the chunk grows and none is zero, the mask is taken as
+// e^{G_i - G_r} e^{G_r - G_j} (r the first row of i's 16-row tile; both <= 1 off the
+// diagonal tile, and on it bounded by 2^chunked_gk_fast_log2 or the chunk is formed
+// elementwise), two multiplies an element instead of an exp2, a compare and selects.
 // The kernel is compiled per chunk length (32, 64), value block (16, 32, 64), whether a
 // scalar decay is present (without one: no scan, no factors, only the causal mask) and state
 // row tiles a warp (MS: 1 up to K = 128, 2 up to 256).
@@ -151,7 +155,7 @@ inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
 /// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
 /// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
-/// tables instead of the per-warp scalar scans.
+/// tables instead of the scalar decays' scan buffers.
 /// `gk_es`: gk's element size (its rows are staged in shared memory for 2 and 4); `gv`: the
 /// per-column decay tables and the staged gv rows (`gv_es`: gv's element size).
 inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool local = false, bool gk = false,
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr int RPW = C / NW;                         // staged rows a warp
   constexpr int NWS = NW - NWO;                       // state warps
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the per-warp scans
+  constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the scanning warp's buffers
   constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
   constexpr bool XA = WPM > 1 && (GK || RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR);  // A split over the row tile's warps
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
@@ -1158,6 +1162,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const bool out_warp = warp < nM * WPM;
   const int mi = (nM == 4 && WPM == 2 && warp >= 4) ? 3 - ((warp - 4) >> 1) : warp / WPM;
   const int nbase = (warp % WPM) * NTW * 8;  // first column of the warp's output
+  // The thread's output columns (nbase + c4 + 8 t, + 1) from token 0's row; every one of them
+  // real and each pair 4-byte aligned: one 32-bit store a pair at compile-time offsets.
+  T* const out_col = static_cast<T*>(p.out) + bidx * p.out_s0 + std::int64_t(h) * p.out_s2 + b0 + nbase + c4;
+  const bool out_whole = P.out_pairs && nbase + 8 * NTW <= w;
   // The WPM warps of a row tile (warps grp0 .. grp0 + WPM - 1) each form A over a share of the
   // key channels [16 ks0, 16 ks1) and add the others' partial sums (shared memory, an mbarrier
   // each tile): A once a tile, not WPM times (H100 profile, 2026-12-05: the
@@ -1511,20 +1519,27 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
     // The chunk's outputs (rows < cl, columns < w).
+    T* const row_lo = out_col + tok(i0 + i_lo) * p.out_s1;
+    const std::int64_t row8 = (reverse ? -8 : 8) * p.out_s1;  // row i_hi = i_lo + 8
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int i = hh ? i_hi : i_lo;
-      if (i >= cl) continue;
-      T* row = static_cast<T*>(p.out) + bidx * p.out_s0 + tok(i0 + i) * p.out_s1 + std::int64_t(h) * p.out_s2 + b0;
+      if ((hh ? i_hi : i_lo) >= cl) continue;
+      T* const row = hh ? row_lo + row8 : row_lo;
+      if (out_whole) {
+#pragma unroll
+        for (int t = 0; t < NTW; ++t)
+          *reinterpret_cast<unsigned*>(row + 8 * t) = pack2<T>(scale * O[t][2 * hh], scale * O[t][2 * hh + 1]);
+        continue;
+      }
 #pragma unroll
       for (int t = 0; t < NTW; ++t) {
         const int b = nbase + 8 * t + c4;
         const float x0 = scale * O[t][2 * hh], x1 = scale * O[t][2 * hh + 1];
         if (P.out_pairs && b + 1 < w) {
-          *reinterpret_cast<unsigned*>(row + b) = pack2<T>(x0, x1);
+          *reinterpret_cast<unsigned*>(row + 8 * t) = pack2<T>(x0, x1);
         } else {
-          if (b < w) row[b] = from_acc<T>(x0);
-          if (b + 1 < w) row[b + 1] = from_acc<T>(x1);
+          if (b < w) row[8 * t] = from_acc<T>(x0);
+          if (b + 1 < w) row[8 * t + 1] = from_acc<T>(x1);
         }
       }
     }
