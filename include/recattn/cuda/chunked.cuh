@@ -332,11 +332,6 @@ inline constexpr float chunked_gk_floor = -80.f;
 /// gk: the fast path of a diagonal tile scales q and k about the tile's reference row while
 /// every |B_i - B_ref| (log2) stays within this; bfloat16 then holds both scaled operands.
 inline constexpr float chunked_gk_fast_log2 = 64.f;
-/// Whether the output warps of a row tile split A = Q K^T over the key channels without a
-/// per-channel decay too (with gk they always do: its operand scaling is the cost split).
-#ifndef RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR
-#define RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR 1
-#endif
 
 /// One kernel per input dtype (bfloat16, half), chunk length (32 or 64), value block (16, 32
 /// or 64 columns), decay (GATE, a chunked_gate) and state row tiles a warp (MS): direction,
@@ -359,7 +354,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the scanning warp's buffers
   constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
-  constexpr bool XA = WPM > 1 && (GK || RECATTN_CUDA_CHUNKED_SPLIT_A_SCALAR);  // A split over the row tile's warps
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
   static_assert(!(GK && MS == 2 && C == 64), "gk with K > 128: chunks of 32 (the scan's registers)");
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
@@ -417,6 +411,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   auto st_ptr = [&](int s) { return reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_st + unsigned(s) * L.st_bytes); };
   // The scalar decays' scan of the current chunk (chunk_loop points these at its buffer).
   auto scan_ptr = [&](int s) { return chunked_smem + L.off_scan + unsigned(s) * L.scan_bytes; };
+  // Byte offsets in a scan buffer (chunked_layout::off_scan): G log2(e) at 0, then these.
+  constexpr int SB_SEG = 4 * C, SB_FI = 8 * C, SB_FC = 12 * C, SB_GC = 16 * C, SB_SEGC = SB_GC + 8, SB_FAST = SB_GC + 12,
+                SB_RF = SB_GC + 16;
   const float* sG = nullptr;   // G log2(e)
   const int* sSeg = nullptr;   // segment: zero decays before the token
   const float* sFi = nullptr;  // e^{G_i} (0 in a later segment)
@@ -549,9 +546,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     const int cl = int(len - c * C < C ? len - c * C : C);
     unsigned char* sb = scan_ptr(int(c & 1));
     float* wG = reinterpret_cast<float*>(sb);
-    int* wSeg = reinterpret_cast<int*>(sb + 4 * C);
-    float* wFi = reinterpret_cast<float*>(sb + 8 * C);
-    float* wFc = reinterpret_cast<float*>(sb + 12 * C);
+    int* wSeg = reinterpret_cast<int*>(sb + SB_SEG);
+    float* wFi = reinterpret_cast<float*>(sb + SB_FI);
+    float* wFc = reinterpret_cast<float*>(sb + SB_FC);
     double y[TPL];
     int z[TPL];
     double s = 0.0;
@@ -604,7 +601,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       // i's own tile e^{G_r - G_j} grows to the decay over 15 tokens; the form is taken while
       // that stays within 2^chunked_gk_fast_log2 (every tile of the chunk), else the mask is
       // formed elementwise.
-      float* wRf = reinterpret_cast<float*>(sb + 16 * C + 16);
+      float* wRf = reinterpret_cast<float*>(sb + SB_RF);
       float* wCf = wRf + C;
       constexpr int LPT = 16 / TPL;  // lanes a 16-token tile
       const float Gr = __shfl_sync(0xffffffffu, Gl[0], lane / LPT * LPT);
@@ -625,9 +622,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       fast = __all_sync(0xffffffffu, mono && dev <= chunked_gk_fast_log2) && segC == 0 ? 1 : 0;
     }
     if (lane == 0) {
-      *reinterpret_cast<double*>(sb + 16 * C) = GC;
-      *reinterpret_cast<int*>(sb + 16 * C + 8) = segC;
-      *reinterpret_cast<int*>(sb + 16 * C + 12) = fast;
+      *reinterpret_cast<double*>(sb + SB_GC) = GC;
+      *reinterpret_cast<int*>(sb + SB_SEGC) = segC;
+      *reinterpret_cast<int*>(sb + SB_FAST) = fast;
     }
   };
   // The chunk loop of one role: every warp stages its share of chunk c + 1; then the role's
@@ -661,13 +658,13 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if constexpr (GATED) {
         const unsigned char* sb = scan_ptr(buf);
         sG = reinterpret_cast<const float*>(sb);
-        sSeg = reinterpret_cast<const int*>(sb + 4 * C);
-        sFi = reinterpret_cast<const float*>(sb + 8 * C);
-        sFc = reinterpret_cast<const float*>(sb + 12 * C);
-        GC = *reinterpret_cast<const double*>(sb + 16 * C);
-        segC = *reinterpret_cast<const int*>(sb + 16 * C + 8);
-        mask_fast = *reinterpret_cast<const int*>(sb + 16 * C + 12) != 0;
-        sRf = reinterpret_cast<const float*>(sb + 16 * C + 16);
+        sSeg = reinterpret_cast<const int*>(sb + SB_SEG);
+        sFi = reinterpret_cast<const float*>(sb + SB_FI);
+        sFc = reinterpret_cast<const float*>(sb + SB_FC);
+        GC = *reinterpret_cast<const double*>(sb + SB_GC);
+        segC = *reinterpret_cast<const int*>(sb + SB_SEGC);
+        mask_fast = *reinterpret_cast<const int*>(sb + SB_FAST) != 0;
+        sRf = reinterpret_cast<const float*>(sb + SB_RF);
         sCf = sRf + C;
         GC2 = float(GC) * kLog2e;
       }
@@ -1152,7 +1149,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
     // The output role's mbarriers are invalidated at the end (below); this is the state warps'
     // side of the barrier that orders that after every wait on them.
-    if constexpr (XA) block_sync();
+    if constexpr (WPM > 1) block_sync();
     return;
   }
 
@@ -1171,14 +1168,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // each tile): A once a tile, not WPM times (H100 profile, 2026-12-05: the
   // gk operand scaling, repeated by both warps of a tile, was half of the kernel's instructions).
   const int grp = warp % WPM, grp0 = warp - grp;
-  const int ks0 = XA ? grp * nKt / WPM : 0, ks1 = XA ? (grp + 1) * nKt / WPM : nKt;
+  const int ks0 = grp * nKt / WPM, ks1 = (grp + 1) * nKt / WPM;
   // The exchange is ordered by an mbarrier a row tile (arrive, then wait for the phase), not by
   // a named barrier of the tile's warps: compute-sanitizer's racecheck (H100, 2026-12-05)
   // reported hazards across the chunk barrier whenever a named barrier of part of the block
   // was used beside it.
   const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
   unsigned xphase = 0;  // the parity of the tile's next exchange
-  if (XA && out_warp && grp == 0 && lane == 0)
+  if (WPM > 1 && out_warp && grp == 0 && lane == 0)
     asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mbar), "r"(32 * WPM) : "memory");
   // (the chunk loop's first barrier orders the init before any arrival)
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
@@ -1290,7 +1287,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
     // The partial sums of the tile's other warps (rounded to the input dtype, as A is for A V).
-    if constexpr (XA) {
+    if constexpr (WPM > 1) {
       uint2* xa = reinterpret_cast<uint2*>(chunked_smem + L.off_xa) + lane;
 #pragma unroll
       for (int t = 0; t < 2 * nM; ++t) {
@@ -1548,7 +1545,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // them (PTX: an mbarrier object is invalidated before its shared memory is used for anything
   // else; racecheck on an H100, 2026-12-06, reported the next uses of that memory, cp.async
   // copies into a q/k/v stage, as write-write hazards with the init).
-  if constexpr (XA) {
+  if constexpr (WPM > 1) {
     block_sync();
     if (out_warp && grp == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(mbar) : "memory");
   }
