@@ -153,6 +153,13 @@ struct chunked_layout {
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
+/// Whether the output warps of a row tile exchange their partial sums of A in float (both
+/// then hold the same A, rounded once where A V reads it) rather than rounded to the input
+/// dtype: without per-channel or per-column decays (their tables fill shared memory) and
+/// for K up to 128 (the stages of larger K do). Saves the packing and unpacking, ~6
+/// instructions an accumulator tile.
+inline constexpr bool chunked_xa_float(bool gk, bool gv, int Kp) { return !gk && !gv && Kp <= 128; }
+
 /// Layout for key size K (any, <= 256), BV value columns (16, 32 or 64) and C tokens (32 or 64);
 /// `local`: the split-state pass (no q rows, no S~, 8 warps); `gk`: the per-channel decay
 /// tables instead of the scalar decays' scan buffers.
@@ -198,7 +205,10 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
     L.gvs_bytes = unsigned(align128(std::size_t(C) * L.gv_pitch));
   }
   L.off_xa = L.off_gvs + L.gvs_bytes;
-  L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32 * 8));
+  // The A exchange: a lane's 4 accumulators of a tile in float (chunked_xa_float), else as
+  // two 16-bit pairs.
+  const unsigned xa_lane = chunked_xa_float(gk, gv, L.Kp) ? 16u : 8u;
+  L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32) * xa_lane);
   L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16) * 8);
   return L;
 }
@@ -1286,13 +1296,17 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
       }
     }
-    // The partial sums of the tile's other warps (rounded to the input dtype, as A is for A V).
+    // The partial sums of the tile's other warps: in float without per-channel or per-column
+    // decays and K <= 128 (chunked_xa_float), else rounded to the input dtype (as A is for A V).
     if constexpr (WPM > 1) {
+      constexpr bool XF = chunked_xa_float(GK, GV, 128 * MS);  // (MS 1: Kp <= 128, launch.cuh's by_ms)
       uint2* xa = reinterpret_cast<uint2*>(chunked_smem + L.off_xa) + lane;
+      float4* xf = reinterpret_cast<float4*>(chunked_smem + L.off_xa) + lane;
 #pragma unroll
       for (int t = 0; t < 2 * nM; ++t) {
         if (t >= 2 * (mi + 1)) break;
-        xa[(warp * 2 * nM + t) * 32] = make_uint2(pack2<T>(A[t][0], A[t][1]), pack2<T>(A[t][2], A[t][3]));
+        if constexpr (XF) xf[(warp * 2 * nM + t) * 32] = make_float4(A[t][0], A[t][1], A[t][2], A[t][3]);
+        else xa[(warp * 2 * nM + t) * 32] = make_uint2(pack2<T>(A[t][0], A[t][1]), pack2<T>(A[t][2], A[t][3]));
       }
       asm volatile(
           "{\n .reg .b64 arrived;\n .reg .pred done;\n"
@@ -1306,12 +1320,20 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
 #pragma unroll
         for (int t = 0; t < 2 * nM; ++t) {
           if (t >= 2 * (mi + 1)) break;
-          const uint2 x = xa[(pw * 2 * nM + t) * 32];
-          const float2 lo = unpack2<T>(x.x), hi = unpack2<T>(x.y);
-          A[t][0] += lo.x;
-          A[t][1] += lo.y;
-          A[t][2] += hi.x;
-          A[t][3] += hi.y;
+          if constexpr (XF) {
+            const float4 x = xf[(pw * 2 * nM + t) * 32];
+            A[t][0] += x.x;
+            A[t][1] += x.y;
+            A[t][2] += x.z;
+            A[t][3] += x.w;
+          } else {
+            const uint2 x = xa[(pw * 2 * nM + t) * 32];
+            const float2 lo = unpack2<T>(x.x), hi = unpack2<T>(x.y);
+            A[t][0] += lo.x;
+            A[t][1] += lo.y;
+            A[t][2] += hi.x;
+            A[t][3] += hi.y;
+          }
         }
       }
     }
