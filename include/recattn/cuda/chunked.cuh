@@ -153,6 +153,21 @@ struct chunked_layout {
 
 inline std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 
+/// Byte offsets within a scan buffer of the scalar decays (chunked_layout::off_scan) for C
+/// tokens: the scanning warp writes them, every warp reads them, the layout sizes them from
+/// these. G log2(e) (float) at 0, then:
+struct chunked_scan_buffer {
+  static constexpr int seg(int C) { return 4 * C; }         ///< segment (int) [C]
+  static constexpr int fi(int C) { return 8 * C; }          ///< e^{G_i} (float) [C]
+  static constexpr int fc(int C) { return 12 * C; }         ///< e^{G_C - G_j} (float) [C]
+  static constexpr int gc(int C) { return 16 * C; }         ///< G_C (double)
+  static constexpr int segc(int C) { return gc(C) + 8; }    ///< its segment count (int)
+  static constexpr int fast(int C) { return gc(C) + 12; }   ///< whether the mask is factored (int)
+  static constexpr int rf(int C) { return gc(C) + 16; }     ///< row factors (float) [C]
+  static constexpr int cf(int C) { return rf(C) + 4 * C; }  ///< column factors (float) [C / 16][C]
+  static constexpr int bytes(int C) { return cf(C) + 4 * (C / 16) * C; }
+};
+
 /// Whether the output warps of a row tile exchange their partial sums of A in float (both
 /// then hold the same A, rounded once where A V reads it) rather than rounded to the input
 /// dtype: without per-channel or per-column decays (their tables fill shared memory) and
@@ -180,7 +195,7 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.off_raw = 0;
   L.st_bytes = local ? 0u : unsigned(align128(std::size_t(L.Kp) * L.ldv * 2));
   L.off_st = 2 * L.stage;
-  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(C) * (4 + 4 + 4 + 4) + 16 + std::size_t(C) * (1 + C / 16) * 4));
+  L.scan_bytes = gk ? 0u : unsigned(align128(std::size_t(chunked_scan_buffer::bytes(C))));
   L.off_scan = L.off_st + 2 * L.st_bytes;
   L.off_tab = L.off_scan + 2 * L.scan_bytes;
   if (gk) {
@@ -421,9 +436,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   auto st_ptr = [&](int s) { return reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_st + unsigned(s) * L.st_bytes); };
   // The scalar decays' scan of the current chunk (chunk_loop points these at its buffer).
   auto scan_ptr = [&](int s) { return chunked_smem + L.off_scan + unsigned(s) * L.scan_bytes; };
-  // Byte offsets in a scan buffer (chunked_layout::off_scan): G log2(e) at 0, then these.
-  constexpr int SB_SEG = 4 * C, SB_FI = 8 * C, SB_FC = 12 * C, SB_GC = 16 * C, SB_SEGC = SB_GC + 8, SB_FAST = SB_GC + 12,
-                SB_RF = SB_GC + 16;
+  // Byte offsets in a scan buffer (chunked_scan_buffer): G log2(e) at 0, then these.
+  using SBO = chunked_scan_buffer;
+  constexpr int SB_SEG = SBO::seg(C), SB_FI = SBO::fi(C), SB_FC = SBO::fc(C), SB_GC = SBO::gc(C),
+                SB_SEGC = SBO::segc(C), SB_FAST = SBO::fast(C), SB_RF = SBO::rf(C), SB_CF = SBO::cf(C);
   const float* sG = nullptr;   // G log2(e)
   const int* sSeg = nullptr;   // segment: zero decays before the token
   const float* sFi = nullptr;  // e^{G_i} (0 in a later segment)
@@ -612,7 +628,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       // that stays within 2^chunked_gk_fast_log2 (every tile of the chunk), else the mask is
       // formed elementwise.
       float* wRf = reinterpret_cast<float*>(sb + SB_RF);
-      float* wCf = wRf + C;
+      float* wCf = reinterpret_cast<float*>(sb + SB_CF);
       constexpr int LPT = 16 / TPL;  // lanes a 16-token tile
       const float Gr = __shfl_sync(0xffffffffu, Gl[0], lane / LPT * LPT);
       float dev = 0.f;
@@ -675,7 +691,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         segC = *reinterpret_cast<const int*>(sb + SB_SEGC);
         mask_fast = *reinterpret_cast<const int*>(sb + SB_FAST) != 0;
         sRf = reinterpret_cast<const float*>(sb + SB_RF);
-        sCf = sRf + C;
+        sCf = reinterpret_cast<const float*>(sb + SB_CF);
         GC2 = float(GC) * kLog2e;
       }
       const unsigned char* stg = stage_ptr(buf);
