@@ -374,15 +374,20 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr int OW = LOCAL ? chunked_out_warps : NWO;  // (the output mapping; unused when LOCAL)
   constexpr int WPM = OW / nM < NB ? OW / nM : NB;    // warps a row tile of output
   constexpr int NTW = NB / WPM;                       // their 8-column tiles
-  constexpr int RPW = C / NW;                         // staged rows a warp
   constexpr int NWS = NW - NWO;                       // state warps
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool GATED = GATE == chunked_scalar_decay;  // scalar decays: the scanning warp's buffers
   constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
+  // Without gk or gv the state warps alone stage q, k, v (they waited at the chunk barrier for
+  // the output warps, which set the pace: ncu on an H100, no gate); with gk or gv, whose scans
+  // keep the state warps busy, every warp stages its share.
+  constexpr bool STATE_STAGES = !GK && !GV;
+  constexpr int NSTG = STATE_STAGES ? NWS : NW;       // warps that stage
+  constexpr int RPW = C / NSTG;                       // staged rows a staging warp
   static_assert(C == 32 || C == 64, "chunks of 32 or 64 tokens");
   static_assert(!(GK && MS == 2 && C == 64), "gk with K > 128: chunks of 32 (the scan's registers)");
   static_assert(MS == 1 || MS == 2, "K up to 128 (one state row tile a warp) or 256 (two)");
-  static_assert(NWS == 8 && C % NW == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
+  static_assert(NWS == 8 && C % NSTG == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   static_assert(!(GV && LOCAL), "gv: no split-state pass (chunked_splits is 1 with gv)");
   // gv's scan: state warp sw < BV / 8 takes the block's columns [8 sw, 8 sw + 8) (GV_NCW), its
@@ -471,7 +476,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const std::int64_t h0_s0 = split ? 0 : p.h0_s0, h0_s1 = split ? 0 : p.h0_s1;
   const std::int64_t h0_s2 = !split ? p.h0_s2 : kv_layout ? p.V : p.K;
   const bool has_h0 = h0 != nullptr;
-  // Chunk c's q, k, v rows into its stage: warp w copies rows w, w + NW, ...; lane u the
+  // Chunk c's q, k, v rows into its stage: staging warp w copies rows w, w + NSTG, ...; lane u the
   // 16-byte unit u of a q and a k row (Kp / 8 <= 32 units) and of a v row (NB <= 8).
   const int UK = Kp / 8;
   // A whole chunk of 16-byte aligned rows with K and the block's columns whole units (the
@@ -482,13 +487,15 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const bool stage_fast = p.q.align == 16 && p.k.align == 16 && p.v.align == 16 && p.K % 8 == 0 && w % 8 == 0;
   const std::int64_t q_tok = reverse ? -p.q.s1 : p.q.s1, k_tok = reverse ? -p.k.s1 : p.k.s1,
                      v_tok = reverse ? -p.v.s1 : p.v.s1;  // elements from one row of the chunk to the next
+  const int sgw = STATE_STAGES ? warp - NWO : warp;  // the warp's index among the staging warps
   auto issue_stage = [&](std::int64_t c) {
+    if (sgw < 0) return;  // (an output warp, when the state warps stage)
     unsigned char* s = stage_ptr(int(c & 1));
     const std::int64_t i0 = c * C;
     const int cl = int(len - i0 < C ? len - i0 : C);
     const int e0 = 8 * lane;
     if (stage_fast && cl == C) {
-      const std::int64_t t0 = tok(i0 + warp);  // the warp's first row; row warp + NW j is NW j tokens on
+      const std::int64_t t0 = tok(i0 + sgw);  // the warp's first row; row sgw + NSTG j is NSTG j tokens on
       const std::uint16_t* qs = reinterpret_cast<const std::uint16_t*>(p.q.data) + (q_base + t0 * p.q.s1 + e0);
       const std::uint16_t* ks = reinterpret_cast<const std::uint16_t*>(p.k.data) + (k_base + t0 * p.k.s1 + e0);
       const std::uint16_t* vs = reinterpret_cast<const std::uint16_t*>(p.v.data) + (v_base + t0 * p.v.s1 + e0);
@@ -497,9 +504,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       // (units past K or w: a valid address, nothing read)
       if (!qk_real) qs = ks = reinterpret_cast<const std::uint16_t*>(p.k.data);
       if (!v_real) vs = reinterpret_cast<const std::uint16_t*>(p.v.data);
-      const std::int64_t qst = qk_real ? NW * q_tok : 0, kst = qk_real ? NW * k_tok : 0, vst = v_real ? NW * v_tok : 0;
-      unsigned char* dq = s + (warp * ldk + e0) * 2;
-      unsigned char* dv = s + L.off_v + (warp * ldv + e0) * 2;
+      const std::int64_t qst = qk_real ? NSTG * q_tok : 0, kst = qk_real ? NSTG * k_tok : 0, vst = v_real ? NSTG * v_tok : 0;
+      unsigned char* dq = s + (sgw * ldk + e0) * 2;
+      unsigned char* dv = s + L.off_v + (sgw * ldv + e0) * 2;
 #pragma unroll
       for (int j = 0; j < RPW; ++j) {
         if (lane < UK) {
@@ -508,14 +515,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
         if (lane < NB) cp_async<16>(dv, vs, v_bytes);
         qs += qst, ks += kst, vs += vst;
-        dq += NW * ldk * 2, dv += NW * ldv * 2;
+        dq += NSTG * ldk * 2, dv += NSTG * ldv * 2;
       }
       cp_async_commit();
       return;
     }
 #pragma unroll
     for (int j = 0; j < RPW; ++j) {
-      const int l = warp + NW * j;
+      const int l = sgw + NSTG * j;
       const std::int64_t t = tok(i0 + l);
       const bool real = l < cl;
       if (lane < UK) {
