@@ -124,10 +124,7 @@ struct chunked_layout {
   unsigned off_st = 0;            ///< two S~ buffers of st_bytes
   unsigned st_bytes = 0;
   /// Two scans of the scalar decays (chunk c in buffer c & 1, written by the scanning warp
-  /// during chunk c - 1): G log2(e), segment (int), e^{G_i}, e^{G_C - G_j} (float), [C] each,
-  /// then the chunk's total G_C (double), its segment count (int) and whether the decay mask
-  /// may take the factored form (int); then that form's row factors [C] and column factors
-  /// [C / 16][C] (float).
+  /// during chunk c - 1); what a buffer holds and where: chunked_scan_buffer.
   unsigned off_scan = 0;
   unsigned scan_bytes = 0;
   // gk: two tables of the chunk's cumulative log2 decays per key channel, [C][ldb] float, and
@@ -381,7 +378,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   constexpr bool GK = GATE == chunked_gk_decay;         // per-channel decays: the tables
   // Without gk or gv the state warps alone stage q, k, v: they waited at the chunk barrier
   // for the output warps, which set the pace (ncu on an H100, no gate). B4 T4096 H16 on an
-  // H100: no gate 0.217 -> 0.197 ms, g_gamma 0.242 -> 0.218. With gk or gv, whose scans keep
+  // H100: no gate 0.217 -> 0.198 ms, g_gamma 0.242 -> 0.219. With gk or gv, whose scans keep
   // the state warps busy, every warp stages its share, as before (not measured the other way).
   constexpr bool STATE_STAGES = !GK && !GV;
   constexpr int NSTG = STATE_STAGES ? NWS : NW;       // warps that stage
