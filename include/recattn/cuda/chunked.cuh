@@ -166,6 +166,10 @@ struct chunked_scan_buffer {
   static constexpr int bytes(int C) { return cf(C) + 4 * (C / 16) * C; }
 };
 
+/// The pitch (16-bit elements) of the staged q and k rows of a kernel with MS state row tiles
+/// a state warp (Kp up to 128 MS): the same for every K of that kernel.
+inline constexpr int chunked_ldk(int MS) { return 128 * MS + 8; }
+
 /// Whether the output warps of a row tile exchange their partial sums of A in float (both
 /// then hold the same A, rounded once where A V reads it) rather than rounded to the input
 /// dtype: without per-channel or per-column decays (their tables fill shared memory) and
@@ -185,7 +189,13 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.Kp = int((K + 15) / 16 * 16);
   L.BV = BV;
   // 16 bytes of pad a row: ldmatrix's eight 16-byte rows then fall in distinct bank groups.
-  L.ldk = L.Kp + 8;
+  // The q and k pitch is that of the largest Kp of the kernel's state row tiles (128 for
+  // MS = 1, 256 for MS = 2: chunked_ldk), not Kp's own, so that the kernel knows it at compile
+  // time: its ldmatrix addresses are then a register plus immediates (the pitch from the
+  // parameters cost an output warp ~130 of its ~900 instructions a chunk in address
+  // arithmetic, ncu on an H100, no gate, B4 T4096 H16). Smaller K take more shared memory,
+  // which does not bound them (one block an SM by its registers).
+  L.ldk = chunked_ldk(L.Kp <= 128 ? 1 : 2);
   L.ldv = BV + 8;
   L.off_k = local ? 0u : unsigned(C * L.ldk * 2);
   L.off_v = L.off_k + unsigned(C * L.ldk * 2);
@@ -399,7 +409,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const chunked_layout& L = P.L;
   extern __shared__ __align__(128) unsigned char chunked_smem[];
 
-  const int Kp = L.Kp, ldk = L.ldk, ldv = L.ldv;
+  const int Kp = L.Kp;
+  constexpr int ldk = chunked_ldk(MS), ldv = BV + 8;  // (= L.ldk, L.ldv: compile-time addresses)
   const int nKt = Kp / 16;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int r4 = lane >> 2, c4 = 2 * (lane & 3);  // an accumulator's row and column in its tile
