@@ -78,16 +78,20 @@
 // memory by cp.async at the start of chunk c:
 //   o_i[b] = scale * ( e^{D_i[b]} (q~_i S)[b]  +  sum_{j<=i} A_ij e^{D_i[b] - D_j[b]} v_j[b] )
 //   S[:, b] <- e^{D_C[b]} S[:, b] + sum_j k~_j^T (v_j[b] e^{D_C[b] - D_j[b]})
-// with A and k~ those of the key-side gates. The state warps scale the v operand registers
-// (factors <= 1) and S's columns. The output warps take the factor in two parts about the row
-// tile's reference row r: v_j scaled by e^{D_r - D_j} in the operand registers (<= 1 for the
-// key tiles before the diagonal one), the sum (and the inter-chunk term, first scaled by
-// e^{D_r}) by e^{D_i - D_r} <= 1 after A V. On the diagonal tile e^{D_r - D_j} grows with the
-// decay over up to 15 tokens: the warp takes it on the tensor cores while every |D_j - D_r|
-// over its columns stays within chunked_gk_fast_log2, else adds that tile's terms elementwise
-// (A_ij from the lanes of the quad, factors e^{D_i - D_j} <= 1). Those A V products read
-// bfloat16 operands for both input dtypes (2^64 is far past half's range). No sequence splits
-// with gv (the split-state pass carries key-side decays only): chunked_splits is 1 there.
+// with A and k~ those of the key-side gates. The state warps form V~ = v e^{D_C - D_j} (factors
+// <= 1) in shared memory, each element once over the 8 of them, and scale S's columns. The
+// output warps take the factor in two parts about the row tile's reference row r: v_j scaled by
+// e^{D_r - D_j} in the operand registers (<= 1 for the key tiles before the diagonal one), the
+// sum (and the inter-chunk term, first scaled by e^{D_r}) by e^{D_i - D_r} <= 1 after A V. On
+// the diagonal tile e^{D_r - D_j} grows with the decay over up to 15 tokens: the warp takes it
+// on the tensor cores while every |D_j - D_r| over its columns stays within
+// chunked_gk_fast_log2, else adds that tile's terms elementwise (A_ij from the lanes of the
+// quad, factors e^{D_i - D_j} <= 1). Those A V products read bfloat16 operands for both input
+// dtypes (2^64 is far past half's range). With bfloat16 inputs, a chunk whose every |D_C - D_j|
+// is within that bound (the scan's flags) skips all of this: the output warps read the state
+// warps' V~ = v e^{D_C - D_j} as the v operand, every tile on the tensor cores, and take e^{D_i
+// - D_C} after A V (the inter-chunk term first scaled by e^{D_C}). No sequence splits with gv
+// (the split-state pass carries key-side decays only): chunked_splits is 1 there.
 //
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
 // state S~ rounded to the input dtype each chunk); S itself accumulates in float. Measured
@@ -135,16 +139,21 @@ struct chunked_layout {
   // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
   unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
   // gv: two tables (the state warps scan chunk c + 1 into one while chunk c reads the other)
-  // of the chunk's cumulative log2 decays per value column of the block, D^T [BV][ldt] float,
-  // each followed (at gvf_off) by the state's v factors e^{D_C[b] - D_j[b]}, [BV][ldt] float.
-  // Column-major: a scanning lane's tokens are adjacent (16-byte stores).
+  // of the chunk's cumulative log2 decays per value column of the block, D^T [BV][ldt] float.
+  // Column-major: a scanning lane's tokens are adjacent (16-byte stores). Then the state's
+  // V~ = v e^{D_C - D_j} of the chunk, [C][ldv] in the input dtype (one buffer: the state warps
+  // form it after the chunk barrier and read it before the next).
   int ldt = 0;
-  unsigned off_gvt = 0, gvt_bytes = 0, gvf_off = 0;
+  unsigned off_gvt = 0, gvt_bytes = 0, off_vt = 0, vt_bytes = 0;
   // gv's rows of the next chunk as given, [C][gv_pitch bytes], copied by cp.async.
   unsigned off_gvs = 0, gvs_bytes = 0, gv_pitch = 0;
+  // gv: two sets of flags (a word per scanning state warp: whether some |D_C - D_j| of its
+  // columns passes chunked_gk_fast_log2), the chunk of a set read as for gk's flags.
+  unsigned off_gvflag = 0;
   // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
   // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
-  // then one mbarrier (8 bytes) a row tile that orders the exchange.
+  // then one mbarrier (8 bytes) a row tile that orders the exchange, and with gv the mbarrier
+  // of V~ (after the C / 16 of the exchange).
   unsigned off_xa = 0, off_mbar = 0;
   std::size_t bytes = 0;
 };
@@ -219,20 +228,22 @@ inline chunked_layout make_chunked_layout(std::int64_t K, int BV, int C, bool lo
   L.off_gvt = unsigned(align128(std::size_t(L.off_gks) + L.gks_bytes));
   if (gv) {
     L.ldt = C + 8;  // 8 words of pad: a fragment's 8-byte reads (8 columns x 4 token pairs), 2 wavefronts
-    L.gvf_off = unsigned(align128(std::size_t(BV) * L.ldt * 4));
-    L.gvt_bytes = 2 * L.gvf_off;
+    L.gvt_bytes = unsigned(align128(std::size_t(BV) * L.ldt * 4));
+    L.vt_bytes = unsigned(align128(std::size_t(C) * L.ldv * 2));
   }
-  L.off_gvs = L.off_gvt + 2 * L.gvt_bytes;
+  L.off_vt = L.off_gvt + 2 * L.gvt_bytes;
+  L.off_gvs = L.off_vt + L.vt_bytes;
   if (gv) {
     L.gv_pitch = unsigned(BV * gv_es + 16);  // 16 bytes of pad a row
     L.gvs_bytes = unsigned(align128(std::size_t(C) * L.gv_pitch));
   }
-  L.off_xa = L.off_gvs + L.gvs_bytes;
+  L.off_gvflag = L.off_gvs + L.gvs_bytes;
+  L.off_xa = L.off_gvflag + (gv ? 128u : 0u);
   // The A exchange: a lane's 4 accumulators of a tile in float (chunked_xa_float), else as
   // two 16-bit pairs.
   const unsigned xa_lane = chunked_xa_float(gk, gv, L.Kp) ? 16u : 8u;
   L.off_mbar = L.off_xa + (local ? 0u : unsigned(chunked_out_warps * 2 * (C / 16) * 32) * xa_lane);
-  L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16) * 8);
+  L.bytes = std::size_t(L.off_mbar) + (local ? 0u : std::size_t(C / 16 + (gv ? 1 : 0)) * 8);
   return L;
 }
 
@@ -405,6 +416,15 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // The A V products with gv read bfloat16 operands for both input dtypes: the diagonal
   // tile's v rows are scaled by up to 2^64 (chunked_gk_fast_log2), past half's range.
   using AVT = std::conditional_t<GV, bfloat16, T>;
+  // gv with bfloat16 inputs: where the chunk's every |D_C - D_j| stays within
+  // chunked_gk_fast_log2 (the scan's flags), the output warps take the state warps' V~ as the
+  // v operand of A V and the factor e^{D_i - D_C} after it (see the output warps).
+  constexpr bool VT_OUT = GV && std::is_same<T, bfloat16>::value;
+  // gv: V~ is ordered by an mbarrier (vmbar): the 8 state warps arrive once their share of it is
+  // written, and every reader waits for the chunk's phase. (Named barriers of part of the
+  // block, 2 of the state warps and 3 of all with arrive, measured the same and were correct
+  // by the PTX ISA, but racecheck reported hazards across the chunk barrier, as it did for the
+  // A exchange; see there.)
   const forward_params& p = P.f;
   const chunked_layout& L = P.L;
   extern __shared__ __align__(128) unsigned char chunked_smem[];
@@ -466,6 +486,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   auto flag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_flag) + 8 * s; };
   const int ldb = L.ldb;
   const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
+  const unsigned vmbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(C / 16);
+  auto wait_vt = [&](unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "VT_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra VT_WAIT;\n}\n" ::"r"(vmbar), "r"(parity) : "memory");
+  };
+  auto gvflag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_gvflag) + 8 * s; };
   auto gvt_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvt + unsigned(s) * L.gvt_bytes); };
   const int ldt = L.ldt;
 
@@ -727,6 +755,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // (zeros past K and w); S~ (rounded to the input dtype) into the state buffer of the next
     // chunk.
     const int sw = warp - NWO;
+    unsigned vphase = 0;  // gv: the parity of V~'s next phase
+    if constexpr (GV) {
+      static_assert(WPM > 1, "gv: the kernel's closing barrier orders vmbar's invalidation");
+      if (sw == 0 && lane == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(vmbar), "r"(32 * NWS) : "memory");
+      // (the chunk loop's first barrier orders the init before any arrival)
+    }
     float S[MS][NB][4];
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
@@ -992,29 +1026,27 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       const double off = incl - tot;
       const float offh = float(off), offl = float(off - double(offh));
-      // The column's chunk total (its last run's inclusive sum), for the state's v factors
-      // e^{D_C - D_j}: once here, not in each of the 8 state warps that read them.
-      const float dc = float(__shfl_sync(0xffffffffu, incl, (GV_NSEG - 1) * GV_NCW + lane % GV_NCW)) * kLog2e;
-      float dv[GV_TS], fvv[GV_TS];
+      float dv[GV_TS];
 #pragma unroll
-      for (int e = 0; e < GV_TS; ++e) {
-        dv[e] = ((offh + ls[e]) + offl) * kLog2e;
-        fvv[e] = fast_exp2(dc - dv[e]);
+      for (int e = 0; e < GV_TS; ++e) dv[e] = ((offh + ls[e]) + offl) * kLog2e;
+      if constexpr (VT_OUT) {
+        // Whether every |D_C - D_j| of the warp's columns is within chunked_gk_fast_log2 (D_C:
+        // the last run's last value, the state warps' D_C bit for bit).
+        const float dcl = __shfl_sync(0xffffffffu, dv[GV_TS - 1], (GV_NSEG - 1) * GV_NCW + lane % GV_NCW);
+        float dev = 0.f;
+#pragma unroll
+        for (int e = 0; e < GV_TS; ++e) dev = fmaxf(dev, fabsf(dcl - dv[e]));
+        const bool far = __any_sync(0xffffffffu, !(dev <= chunked_gk_fast_log2));  // (NaN: far)
+        if (lane == 0) gvflag_ptr(int(c & 1))[sw] = far ? 1u : 0u;
       }
       float* drow = dt + gv_col * ldt + gv_run * GV_TS;  // (16-byte aligned for GV_TS >= 4)
-      float* frow = drow + L.gvf_off / 4;
       if constexpr (GV_TS % 4 == 0) {
 #pragma unroll
-        for (int u = 0; u < GV_TS / 4; ++u) {
+        for (int u = 0; u < GV_TS / 4; ++u)
           reinterpret_cast<float4*>(drow)[u] = make_float4(dv[4 * u], dv[4 * u + 1], dv[4 * u + 2], dv[4 * u + 3]);
-          reinterpret_cast<float4*>(frow)[u] = make_float4(fvv[4 * u], fvv[4 * u + 1], fvv[4 * u + 2], fvv[4 * u + 3]);
-        }
       } else {
 #pragma unroll
-        for (int u = 0; u < GV_TS / 2; ++u) {
-          reinterpret_cast<float2*>(drow)[u] = make_float2(dv[2 * u], dv[2 * u + 1]);
-          reinterpret_cast<float2*>(frow)[u] = make_float2(fvv[2 * u], fvv[2 * u + 1]);
-        }
+        for (int u = 0; u < GV_TS / 2; ++u) reinterpret_cast<float2*>(drow)[u] = make_float2(dv[2 * u], dv[2 * u + 1]);
       }
     };
     if constexpr (GK) {
@@ -1069,11 +1101,27 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             }
           }
       }
-      // gv: column b of S decays by e^{D_C[b]}; V~ = v scaled by e^{D_C[b] - D_j[b]} (<= 1, the
-      // scan's factor table fv[b][j]).
+      // gv: V~ = v scaled by e^{D_C[b] - D_j[b]} (<= 1) into its buffer, each factor once over
+      // the state warps: warp sw the tokens [TPW sw, TPW sw + TPW), a lane a token and a column
+      // at a time (D's rows read along tokens). vmbar orders the writes before the K~^T V~
+      // products below (and the output warps' reads); the chunk barrier orders this chunk's
+      // reads before the next chunk's writes. (Each state warp scaling its v operand registers
+      // by a factor table instead formed every product 8 times: ~5100 of the ~18000 warp
+      // instructions gv added a chunk, ncu on an H100, B4 T4096 H16.) Then column b of S
+      // decays by e^{D_C[b]}.
       const float* dt = GV ? gvt_ptr(buf) : nullptr;
-      const float* fv = GV ? dt + L.gvf_off / 4 : nullptr;
+      std::uint16_t* const vt = GV ? reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_vt) : nullptr;
       if constexpr (GV) {
+        constexpr int TPW = C / NWS, CPI = 32 / TPW;  // tokens a warp; columns an iteration
+        const int j = sw * TPW + lane % TPW;
+#pragma unroll
+        for (int it = 0; it < BV / CPI; ++it) {
+          const int b = it * CPI + lane / TPW;
+          const float f = fast_exp2(dt[b * ldt + C - 1] - dt[b * ldt + j]);
+          const float x = unpack2<T>(unsigned(sv[j * ldv + b])).x;
+          vt[j * ldv + b] = std::uint16_t(pack2<T>(f == 0.f ? 0.f : x * f, 0.f) & 0xffffu);
+        }
+        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(vmbar) : "memory");
 #pragma unroll
         for (int nt = 0; nt < NB; ++nt) {
 #pragma unroll
@@ -1086,8 +1134,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           }
         }
       }
+      if constexpr (GV) {
+        wait_vt(vphase);  // every state warp's share of V~
+        vphase ^= 1u;
+      }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
-      const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
+      const std::uint16_t* vrow = (GV ? vt : sv) + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
 #pragma unroll(GV ? 1 : nM)
       for (int kt = 0; kt < nM; ++kt) {
         if (16 * kt >= cl) break;
@@ -1123,16 +1175,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         for (int np = 0; np < NB / 2; ++np) {
           unsigned vb4[4];
           ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
-          if constexpr (GV) {
-            // Register r: tokens 16 kt + c4 + 8 (r & 1) + {0, 1}, column 16 np + 8 (r >> 1) + r4.
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int j = 16 * kt + c4 + 8 * (r & 1), b = 16 * np + 8 * (r >> 1) + r4;
-              const float2 x = unpack2<T>(vb4[r]);
-              const float2 f = *reinterpret_cast<const float2*>(fv + b * ldt + j);  // (j even, ldt even)
-              vb4[r] = pack2<T>(f.x == 0.f ? 0.f : x.x * f.x, f.y == 0.f ? 0.f : x.y * f.y);
-            }
-          }
 #pragma unroll
           for (int ms = 0; ms < MS; ++ms) {
             if (sw + NWS * ms >= nKt) continue;
@@ -1193,6 +1235,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // The output role's mbarriers are invalidated at the end (below); this is the state warps'
     // side of the barrier that orders that after every wait on them.
     if constexpr (WPM > 1) block_sync();
+    if constexpr (GV) {
+      if (sw == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(vmbar) : "memory");
+    }
     return;
   }
 
@@ -1218,11 +1263,15 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // was used beside it.
   const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
   unsigned xphase = 0;  // the parity of the tile's next exchange
+  unsigned vphase_o = 0;  // gv: the parity of V~'s phase of the next chunk
   if (WPM > 1 && out_warp && grp == 0 && lane == 0)
     asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mbar), "r"(32 * WPM) : "memory");
   // (the chunk loop's first barrier orders the init before any arrival)
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
                  const std::uint16_t* sv, float, double, int) {
+    const unsigned vpar = vphase_o;  // V~'s phase of this chunk
+    vphase_o ^= 1u;
+    (void)vpar;
     if (!out_warp || 16 * mi >= cl) return;
     const std::uint16_t* st = st_ptr(buf);
     // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
@@ -1462,9 +1511,24 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // so that tile takes the tensor cores only while every |D_j - D_r| <= chunked_gk_fast_log2
     // (log2) over the warp's columns, else it is added elementwise below). So the inter-chunk
     // term is first scaled by e^{D_r}, and the whole sum by e^{D_i - D_r} after A V.
+    //
+    // With VT_OUT, a chunk whose every |D_C - D_j| is within chunked_gk_fast_log2 (the scan's
+    // flags; D_C the chunk's last value) takes instead the reference C for every row tile:
+    // e^{D_i - D_j} = e^{D_i - D_C} e^{D_C - D_j}, the second factor the state warps' V~ (so no
+    // v operand is scaled here, and the diagonal tile takes the tensor cores too), the first
+    // (bounded by 2^64 both ways) on the sum, whose inter-chunk term is first scaled by e^{D_C}.
     const float* dt = GV ? gvt_ptr(buf) : nullptr;
-    // D_r of column b (reread from shared memory where needed: registers are short here).
-    auto d_ref = [&](int b) { return mi > 0 ? dt[b * ldt + ref_row] : 0.f; };
+    bool gv_whole = false;
+    if constexpr (VT_OUT) {
+      const unsigned* fl = gvflag_ptr(buf);
+      unsigned bits = 0;
+#pragma unroll
+      for (int s8 = 0; s8 < BV / GV_NCW; ++s8) bits |= fl[s8];
+      gv_whole = bits == 0u;
+    }
+    // D_r of column b (reread from shared memory where needed: registers are short here); D_C
+    // where the chunk takes V~.
+    auto d_ref = [&](int b) { return gv_whole ? dt[b * ldt + C - 1] : mi > 0 ? dt[b * ldt + ref_row] : 0.f; };
     float drv[GV ? NTW : 1];  // D_r of the thread's v operand's column nbase + 8 t + r4
     bool gv_fast = true;
     if constexpr (GV) {
@@ -1478,18 +1542,24 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           for (int hh = 0; hh < 2; ++hh) O[t][2 * hh + e] = f == 0.f ? 0.f : O[t][2 * hh + e] * f;
         }
       }
-      // The diagonal tile's rows (lane & 15) against D_r, over half the warp's columns a lane.
-      float dev = 0.f;
-      const int jr = 16 * mi + (lane & 15);
+      if (!gv_whole) {
+        // The diagonal tile's rows (lane & 15) against D_r, over half the warp's columns a lane.
+        float dev = 0.f;
+        const int jr = 16 * mi + (lane & 15);
 #pragma unroll
-      for (int u = 0; u < 4 * NTW; ++u) {
-        const int b = nbase + (lane >> 4) * 4 * NTW + u;
-        dev = fmaxf(dev, fabsf(dt[b * ldt + jr] - d_ref(b)));
+        for (int u = 0; u < 4 * NTW; ++u) {
+          const int b = nbase + (lane >> 4) * 4 * NTW + u;
+          dev = fmaxf(dev, fabsf(dt[b * ldt + jr] - d_ref(b)));
+        }
+        gv_fast = __all_sync(0xffffffffu, dev <= chunked_gk_fast_log2);
       }
-      gv_fast = __all_sync(0xffffffffu, dev <= chunked_gk_fast_log2);
+    }
+    if constexpr (VT_OUT) {
+      if (gv_whole) wait_vt(vpar);  // V~ written
     }
     // O += A V (A's accumulators as the A operand, 16 tokens a step).
-    const std::uint16_t* vrow = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
+    const std::uint16_t* vsrc = VT_OUT && gv_whole ? reinterpret_cast<const std::uint16_t*>(chunked_smem + L.off_vt) : sv;
+    const std::uint16_t* vrow = vsrc + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + nbase + (lane >> 4) * 8;
 #pragma unroll
     for (int kt = 0; kt < nM; ++kt) {
       if (kt > mi || (GV && kt == mi && !gv_fast)) break;
@@ -1511,8 +1581,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           unsigned vb4[4];
           ldsm_x4_t(vb4, vrow + 16 * kt * ldv + 16 * np);
           if constexpr (GV) {
+            if (!gv_whole) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) scale_v(vb4[r], r, 2 * np + (r >> 1));
+              for (int r = 0; r < 4; ++r) scale_v(vb4[r], r, 2 * np + (r >> 1));
+            }
           }
           mma16816<AVT>(O[2 * np], aa, vb4[0], vb4[1]);
           mma16816<AVT>(O[2 * np + 1], aa, vb4[2], vb4[3]);
@@ -1521,8 +1593,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         unsigned vb2[2];
         ldsm_x2_t(vb2, vrow + 16 * kt * ldv);
         if constexpr (GV) {
-          scale_v(vb2[0], 0, 0);
-          scale_v(vb2[1], 1, 0);
+          if (!gv_whole) {
+            scale_v(vb2[0], 0, 0);
+            scale_v(vb2[1], 1, 0);
+          }
         }
         mma16816<AVT>(O[0], aa, vb2[0], vb2[1]);
       }

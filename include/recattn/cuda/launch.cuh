@@ -133,8 +133,8 @@ inline int chunked_max_chunk(const problem& p) { return p.has(gate_gk) && p.K > 
 /// first (then the chunk), except with gv, where the chunk gives way first. Measured on an
 /// H100 (bench/README.md, 2026-12-06), B4 T4096 H16 K=V=128 (64 columns: 128 blocks, one
 /// wave; 32: two): gk + gv, which does not fit 64 tokens x 64 columns, 0.88 ms at 32 x 64
-/// against 1.27 at 64 x 32. gv alone fits 64 x 64 at K = 128 with bf16 gates (229152 bytes of
-/// the 231424 budget, bench/README.md's layout table) and runs there (0.43 ms).
+/// against 1.27 at 64 x 32. gv alone fits 64 x 64 at K = 128 with bf16 gates (201640 bytes of
+/// the 231424 budget since V~ replaced the factor tables, bench/README.md) and runs there.
 inline void fit_chunked(const problem& p, int& bv, int& chunk, bool bv_free, bool chunk_free) {
   const std::size_t budget = smem_budget();
   while (chunk_free && p.has(gate_gv) && chunk > 32 && chunked_bytes(p, bv, chunk) > budget) chunk /= 2;
