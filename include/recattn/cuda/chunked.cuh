@@ -905,10 +905,14 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // gk rows of chunk c into their stage (when the layout has one): each state warp copies
     // the columns it scans itself (its 16-channel row tiles, every token; a lane a 16-byte unit,
     // zero past K and past the sequence end), so the scan waits for its own warp's copies only.
-    auto issue_gk = [&](std::int64_t c) {
+    // (The element size is a template constant in both copies below, es 2 or 4: from the
+    // run-time value, a lane's row and unit were integer divisions and the loops' trip counts
+    // unknown, ~140 of a state warp's instructions a chunk, ncu on an H100, gk + gv at B4.)
+    auto issue_gk_es = [&](std::int64_t c, auto es_c) {
+      constexpr int es = decltype(es_c)::value;
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      const int es = p.gk.es, real16 = p.K * es / 2;  // (16-bit units of a row)
+      const int real16 = p.K * es / 2;  // (16-bit units of a row)
       unsigned char* rows = chunked_smem + L.off_gks;
 #pragma unroll
       for (int ms = 0; ms < MS; ++ms) {
@@ -917,26 +921,33 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         if (cl == C && p.gk.align == 16 && a0 + 16 <= p.K) {
           // A whole chunk of aligned rows and 16 real channels: as issue_stage's short path
           // (a lane's units are 32 / es rows apart).
-          const int l0 = lane / es, u = lane - l0 * es, first = a0 * es / 2 + 8 * u, rstep = 32 / es;
+          const int l0 = lane / es, u = lane % es, first = a0 * es / 2 + 8 * u;
+          constexpr int rstep = 32 / es;
           const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gk.data) +
                                      ((gk_base + tok(i0 + l0) * p.gk.s1) * (es / 2) + first);
           const std::int64_t st = (reverse ? -p.gk.s1 : p.gk.s1) * rstep * (es / 2);
           unsigned char* dst = rows + l0 * L.gk_pitch + 2 * first;
-          for (int e = lane; e < C * es; e += 32) {
+#pragma unroll
+          for (int it = 0; it < C * es / 32; ++it) {
             cp_async<16>(dst, src, 16);
             src += st;
             dst += rstep * L.gk_pitch;
           }
           continue;
         }
-        for (int e = lane; e < C * es; e += 32) {  // es units of 16 bytes hold 16 channels
-          const int l = e / es, u = e - l * es, first = a0 * es / 2 + 8 * u;
+#pragma unroll
+        for (int it = 0; it < C * es / 32; ++it) {  // es units of 16 bytes hold 16 channels
+          const int e = lane + 32 * it, l = e / es, u = e % es, first = a0 * es / 2 + 8 * u;
           const std::int64_t t = tok(i0 + (l < cl ? l : 0));
           stage_unit(rows + l * L.gk_pitch + 2 * first, p.gk, (gk_base + t * p.gk.s1) * (es / 2) + first,
                      l < cl ? min(8, real16 - first) : 0);
         }
       }
       cp_async_commit();
+    };
+    auto issue_gk = [&](std::int64_t c) {
+      if (p.gk.es == 2) issue_gk_es(c, std::integral_constant<int, 2>());
+      else issue_gk_es(c, std::integral_constant<int, 4>());
     };
     auto staged_scan = [&](std::int64_t c, float* tb) {
       if (L.gks_bytes) {
@@ -955,22 +966,25 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // of gv's time on an H100, bench/README.md.)
     const bool gv_scans = sw < BV / GV_NCW;
     const int gv_col = sw * GV_NCW + lane % GV_NCW, gv_run = lane / GV_NCW;
-    auto issue_gv = [&](std::int64_t c) {
+    // (es a template constant, 2, 4 or 8, as for issue_gk.)
+    auto issue_gv_es = [&](std::int64_t c, auto es_c) {
+      constexpr int es = decltype(es_c)::value, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
       const std::int64_t i0 = c * C;
       const int cl = int(len - i0 < C ? len - i0 : C);
-      const int es = p.gv.es, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
       const int real16 = (w - sw * GV_NCW) * upt;  // real 16-bit elements of the warp's slice
       unsigned char* rows = chunked_smem + L.off_gvs + sw * GV_NCW * es;
       const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + sw * GV_NCW;
       if (cl == C && p.gv.align == 16 && real16 >= 8 * upt) {
         // A whole chunk of aligned rows and 8 real columns: as issue_stage's short path (a
         // lane's units are 32 / upt rows apart).
-        const int l0 = lane / upt, u = lane - l0 * upt, rstep = 32 / upt;
+        const int l0 = lane / upt, u = lane % upt;
+        constexpr int rstep = 32 / upt;
         const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gv.data) +
                                    ((base + tok(i0 + l0) * p.gv.s1) * upt + 8 * u);
         const std::int64_t st = (reverse ? -p.gv.s1 : p.gv.s1) * rstep * upt;
         unsigned char* dst = rows + l0 * L.gv_pitch + 16 * u;
-        for (int e = lane; e < C * upt; e += 32) {
+#pragma unroll
+        for (int it = 0; it < C * upt / 32; ++it) {
           cp_async<16>(dst, src, 16);
           src += st;
           dst += rstep * L.gv_pitch;
@@ -978,13 +992,19 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         cp_async_commit();
         return;
       }
-      for (int e = lane; e < C * upt; e += 32) {
-        const int l = e / upt, u = e - l * upt;
+#pragma unroll
+      for (int it = 0; it < C * upt / 32; ++it) {
+        const int e = lane + 32 * it, l = e / upt, u = e % upt;
         const std::int64_t t = tok(i0 + (l < cl ? l : 0));
         stage_unit(rows + l * L.gv_pitch + 16 * u, p.gv, (base + t * p.gv.s1) * upt + 8 * u,
                    l < cl ? min(8, real16 - 8 * u) : 0);
       }
       cp_async_commit();
+    };
+    auto issue_gv = [&](std::int64_t c) {
+      if (p.gv.es == 2) issue_gv_es(c, std::integral_constant<int, 2>());
+      else if (p.gv.es == 4) issue_gv_es(c, std::integral_constant<int, 4>());
+      else issue_gv_es(c, std::integral_constant<int, 8>());
     };
     auto scan_gv = [&](std::int64_t c, float* dt) {
       const std::int64_t i0 = c * C;
