@@ -89,8 +89,8 @@
 // quad, factors e^{D_i - D_j} <= 1). Those A V products read bfloat16 operands for both input
 // dtypes (2^64 is far past half's range). With bfloat16 inputs, a chunk whose every |D_C - D_j|
 // is within that bound (the scan's flags) skips all of this: the output warps read the state
-// warps' V~ = v e^{D_C - D_j} as the v operand, every tile on the tensor cores, and take e^{D_i
-// - D_C} after A V (the inter-chunk term first scaled by e^{D_C}). No sequence splits with gv
+// warps' V~ = v e^{D_C - D_j} as the v operand, every tile on the tensor cores, and take
+// e^{D_i - D_C} after A V (the inter-chunk term first scaled by e^{D_C}). No sequence splits with gv
 // (the split-state pass carries key-side decays only): chunked_splits is 1 there.
 //
 // Accuracy: the products read 16-bit operands (q, k, v as given; A, the scaled k rows and the
@@ -305,6 +305,26 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[2], const void* p) {
                : "r"(smem_addr(p)));
 }
 
+/// mbarrier operations on a shared-memory address (smem_addr): init with the count of
+/// arriving threads, arrive, wait for the phase of parity `parity` to complete, invalidate.
+/// mbarrier.arrive releases and try_wait acquires at CTA scope, so the shared-memory writes
+/// before an arrival are visible to the waiters.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "MBAR_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra MBAR_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(unsigned bar) {
+  asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 /// d += a b for one m16n8k16 tile (a: 4 registers of 16-bit pairs, b: 2; d: 4 floats).
 template <class T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -487,12 +507,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const int ldb = L.ldb;
   const std::int64_t gk_base = bidx * p.gk.s0 + std::int64_t(h) * p.gk.s2;
   const unsigned vmbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(C / 16);
-  auto wait_vt = [&](unsigned parity) {
-    asm volatile(
-        "{\n .reg .pred done;\n"
-        "VT_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra VT_WAIT;\n}\n" ::"r"(vmbar), "r"(parity) : "memory");
-  };
   auto gvflag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_gvflag) + 8 * s; };
   auto gvt_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvt + unsigned(s) * L.gvt_bytes); };
   const int ldt = L.ldt;
@@ -755,10 +769,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // (zeros past K and w); S~ (rounded to the input dtype) into the state buffer of the next
     // chunk.
     const int sw = warp - NWO;
-    unsigned vphase = 0;  // gv: the parity of V~'s next phase
     if constexpr (GV) {
       static_assert(WPM > 1, "gv: the kernel's closing barrier orders vmbar's invalidation");
-      if (sw == 0 && lane == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(vmbar), "r"(32 * NWS) : "memory");
+      if (sw == 0 && lane == 0) mbar_init(vmbar, 32 * NWS);
       // (the chunk loop's first barrier orders the init before any arrival)
     }
     float S[MS][NB][4];
@@ -1144,7 +1157,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           const float x = unpack2<T>(unsigned(sv[j * ldv + b])).x;
           vt[j * ldv + b] = std::uint16_t(pack2<T>(f == 0.f ? 0.f : x * f, 0.f) & 0xffffu);
         }
-        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(vmbar) : "memory");
+        mbar_arrive(vmbar);
 #pragma unroll
         for (int nt = 0; nt < NB; ++nt) {
 #pragma unroll
@@ -1158,8 +1171,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
       }
       if constexpr (GV) {
-        wait_vt(vphase);  // every state warp's share of V~
-        vphase ^= 1u;
+        mbar_wait(vmbar, unsigned((c - c_lo) & 1));  // every state warp's share of V~ (a phase a chunk)
       }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
       const std::uint16_t* vrow = (GV ? vt : sv) + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
@@ -1259,7 +1271,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     // side of the barrier that orders that after every wait on them.
     if constexpr (WPM > 1) block_sync();
     if constexpr (GV) {
-      if (sw == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(vmbar) : "memory");
+      if (sw == 0 && lane == 0) mbar_inval(vmbar);
     }
     return;
   }
@@ -1286,15 +1298,11 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // was used beside it.
   const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
   unsigned xphase = 0;  // the parity of the tile's next exchange
-  unsigned vphase_o = 0;  // gv: the parity of V~'s phase of the next chunk
   if (WPM > 1 && out_warp && grp == 0 && lane == 0)
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mbar), "r"(32 * WPM) : "memory");
+    mbar_init(mbar, 32 * WPM);
   // (the chunk loop's first barrier orders the init before any arrival)
   chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
                  const std::uint16_t* sv, float, double, int) {
-    const unsigned vpar = vphase_o;  // V~'s phase of this chunk
-    vphase_o ^= 1u;
-    (void)vpar;
     if (!out_warp || 16 * mi >= cl) return;
     const std::uint16_t* st = st_ptr(buf);
     // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
@@ -1429,11 +1437,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         if constexpr (XF) xf[(warp * 2 * nM + t) * 32] = make_float4(A[t][0], A[t][1], A[t][2], A[t][3]);
         else xa[(warp * 2 * nM + t) * 32] = make_uint2(pack2<T>(A[t][0], A[t][1]), pack2<T>(A[t][2], A[t][3]));
       }
-      asm volatile(
-          "{\n .reg .b64 arrived;\n .reg .pred done;\n"
-          " mbarrier.arrive.shared::cta.b64 arrived, [%0];\n"
-          "XCHG_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-          " @!done bra XCHG_WAIT;\n}\n" ::"r"(mbar), "r"(xphase) : "memory");
+      mbar_arrive(mbar);
+      mbar_wait(mbar, xphase);
       xphase ^= 1u;
 #pragma unroll
       for (int o = 1; o < WPM; ++o) {
@@ -1603,7 +1608,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
     }
     if constexpr (VT_OUT) {
-      if (gv_whole) wait_vt(vpar);  // V~ written
+      if (gv_whole) mbar_wait(vmbar, unsigned((c - c_lo) & 1));  // V~ written (the state warps arrive once a chunk)
     }
     // O += A V (A's accumulators as the A operand, 16 tokens a step).
     const std::uint16_t* vsrc = VT_OUT && gv_whole ? reinterpret_cast<const std::uint16_t*>(chunked_smem + L.off_vt) : sv;
@@ -1724,7 +1729,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // copies into a q/k/v stage, as write-write hazards with the init).
   if constexpr (WPM > 1) {
     block_sync();
-    if (out_warp && grp == 0 && lane == 0) asm volatile("mbarrier.inval.shared.b64 [%0];\n" ::"r"(mbar) : "memory");
+    if (out_warp && grp == 0 && lane == 0) mbar_inval(mbar);
   }
   }
 }
