@@ -9,6 +9,15 @@
 // kernel's own scratch, which does not grow with T; io_bytes is what the inputs and
 // gradients themselves take, for reading a heaptrack peak).
 //
+// cpu_bwd_over_fwd/... times the two in pairs: each iteration a forward call, then a backward
+// call, so that both see the same state of a shared machine (on the 2-core VM the forward
+// alone ranges over 17-24 ms from minute to minute); its time is the backward's, its
+// counters fwd_ms, bwd_ms and bwd_over_fwd (the sums over the iterations of the
+// repetition). Run with repetitions for the median of the ratios. The .../cold entry reads
+// 64 MiB (untimed) before each call, so that both start with nothing of their inputs cached;
+// without it the backward starts where the forward ended (the last tokens) and finds those
+// rows in the L3.
+//
 // Cuts: the binary runs the forward direction, dense layout and [K, V] state only.
 #include <benchmark/benchmark.h>
 
@@ -166,6 +175,41 @@ void run_backward(benchmark::State& st, const shape& s, unsigned gates, dtype ty
   st.counters["io_bytes"] = double(p.io_bytes());
 }
 
+/// Reads 64 MiB (two L3s and more; clean lines, so nothing is written back later): what the
+/// caches held of the last call is gone.
+void cool_caches() {
+  static const std::vector<std::uint64_t> junk(std::size_t(64) << 17, 1);
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < junk.size(); i += 8) sum += junk[i];
+  benchmark::DoNotOptimize(sum);
+}
+
+void run_paired(benchmark::State& st, const shape& s, unsigned gates, dtype type, bool cold) {
+  bench_problem p(s, gates, type);
+  p.forward();
+  p.backward();
+  double fwd = 0.0, bwd = 0.0;
+  for (auto _ : st) {
+    if (cold) cool_caches();
+    auto t0 = std::chrono::steady_clock::now();
+    p.forward();
+    benchmark::ClobberMemory();
+    fwd += seconds_since(t0);
+    if (cold) cool_caches();
+    t0 = std::chrono::steady_clock::now();
+    p.backward();
+    benchmark::ClobberMemory();
+    const double b = seconds_since(t0);
+    bwd += b;
+    st.SetIterationTime(b);
+  }
+  set_rate(st, s);
+  const double n = double(st.iterations());
+  st.counters["fwd_ms"] = 1e3 * fwd / n;
+  st.counters["bwd_ms"] = 1e3 * bwd / n;
+  st.counters["bwd_over_fwd"] = bwd / fwd;
+}
+
 void register_all() {
   struct entry {
     unsigned gates;
@@ -194,6 +238,11 @@ void register_all() {
                                  [=](benchmark::State& st) { run_backward(st, s, gates, type, key, true); })
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+    for (const bool cold : {false, true})
+      benchmark::RegisterBenchmark(("cpu_bwd_over_fwd/" + key + (cold ? "/cold" : "")).c_str(),
+                                   [=](benchmark::State& st) { run_paired(st, s, gates, type, cold); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseManualTime();
   }
 }
 
