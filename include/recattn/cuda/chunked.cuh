@@ -1292,12 +1292,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   // gk operand scaling, repeated by both warps of a tile, was half of the kernel's instructions).
   const int grp = warp % WPM, grp0 = warp - grp;
   const int ks0 = grp * nKt / WPM, ks1 = (grp + 1) * nKt / WPM;
+  auto owns = [&](int ks) { return ks >= ks0 && ks < ks1; };  // the warp's own key channels
   // The exchange is ordered by an mbarrier a row tile (arrive, then wait for the phase), not by
   // a named barrier of the tile's warps: compute-sanitizer's racecheck (H100, 2026-12-05)
   // reported hazards across the chunk barrier whenever a named barrier of part of the block
   // was used beside it.
   const unsigned mbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(mi);
-  unsigned xphase = 0;  // the parity of the tile's next exchange
   if (WPM > 1 && out_warp && grp == 0 && lane == 0)
     mbar_init(mbar, 32 * WPM);
   // (the chunk loop's first barrier orders the init before any arrival)
@@ -1360,7 +1360,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     };
 #pragma unroll(GK ? 1 : 2)
     for (int ks = 0; ks < nKt; ++ks) {
-      const bool mine = ks >= ks0 && ks < ks1;
+      const bool mine = owns(ks);
       if (share_q && !mine) continue;  // (after the exchange, from the owners' scaled rows)
       unsigned qa[4];
       ldsm_x4(qa, qrow + 16 * ks);
@@ -1438,8 +1438,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         else xa[(warp * 2 * nM + t) * 32] = make_uint2(pack2<T>(A[t][0], A[t][1]), pack2<T>(A[t][2], A[t][3]));
       }
       mbar_arrive(mbar);
-      mbar_wait(mbar, xphase);
-      xphase ^= 1u;
+      // A phase a chunk: a tile skips the exchange only past the end of the sequence, in its
+      // last chunk.
+      mbar_wait(mbar, unsigned((c - c_lo) & 1));
 #pragma unroll
       for (int o = 1; o < WPM; ++o) {
         const int pw = grp0 + (grp + o) % WPM;
@@ -1465,7 +1466,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if (share_q) {  // the other warps' key channels, scaled by them (ordered by the exchange)
 #pragma unroll 1
         for (int ks = 0; ks < nKt; ++ks) {
-          if (ks >= ks0 && ks < ks1) continue;
+          if (owns(ks)) continue;
           unsigned qa[4];
           ldsm_x4(qa, qrow + 16 * ks);
           inter_product(qa, ks);
