@@ -287,6 +287,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/// min(x, the largest float), NaN passing (PTX min.NaN: one instruction; fminf would turn a
+/// NaN into the bound).
+__device__ __forceinline__ float finite_or_nan(float x) {
+  float y;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(x), "f"(3.40282347e38f));
+  return y;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
@@ -1121,7 +1129,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       // gk: row a of S decays by e^{B_C[a]}; K~ = k scaled by e^{B_C[a] - B_j[a]}.
       const float* tb = GK ? tab_ptr(buf) : nullptr;
-      float bc[MS][2];
+      float bc[MS][2], fk[MS][2];
       if constexpr (GK) {
 #pragma unroll
         for (int ms = 0; ms < MS; ++ms)
@@ -1130,10 +1138,16 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             const int a = 16 * (sw + NWS * ms) + r4 + 8 * hh;
             bc[ms][hh] = a < Kp ? tb[(C - 1) * ldb + a] : 0.f;
             const float f = fast_exp2(bc[ms][hh]);
+            // With gv, S's row and column decays are applied below in one multiply by their
+            // product (H100, B4 T4096 H16: gk + gv 0.691 -> 0.679 ms, bench/README.md), both
+            // factors made finite first so that a zero one still gives 0 and not inf * 0.
+            fk[ms][hh] = finite_or_nan(f);
+            if constexpr (!GV) {
 #pragma unroll
-            for (int nt = 0; nt < NB; ++nt) {
-              S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
-              S[ms][nt][2 * hh + 1] = f == 0.f ? 0.f : S[ms][nt][2 * hh + 1] * f;
+              for (int nt = 0; nt < NB; ++nt) {
+                S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
+                S[ms][nt][2 * hh + 1] = f == 0.f ? 0.f : S[ms][nt][2 * hh + 1] * f;
+              }
             }
           }
       }
@@ -1162,11 +1176,15 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         for (int nt = 0; nt < NB; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float f = fast_exp2(dt[(8 * nt + c4 + e) * ldt + C - 1]);
+            const float fv = finite_or_nan(fast_exp2(dt[(8 * nt + c4 + e) * ldt + C - 1]));
 #pragma unroll
             for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
-              for (int hh = 0; hh < 2; ++hh) S[ms][nt][2 * hh + e] = f == 0.f ? 0.f : S[ms][nt][2 * hh + e] * f;
+              for (int hh = 0; hh < 2; ++hh) {
+                float f = fv;
+                if constexpr (GK) f *= fk[ms][hh];
+                S[ms][nt][2 * hh + e] = f == 0.f ? 0.f : S[ms][nt][2 * hh + e] * f;
+              }
           }
         }
       }
