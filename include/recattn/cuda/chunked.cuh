@@ -1141,8 +1141,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
             // With gv, S's row and column decays are applied below in one multiply by their
             // product (H100, B4 T4096 H16: gk + gv 0.691 -> 0.679 ms, bench/README.md), both
             // factors made finite first so that a zero one still gives 0 and not inf * 0.
-            fk[ms][hh] = finite_or_nan(f);
-            if constexpr (!GV) {
+            if constexpr (GV) {
+              fk[ms][hh] = finite_or_nan(f);
+            } else {
 #pragma unroll
               for (int nt = 0; nt < NB; ++nt) {
                 S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
