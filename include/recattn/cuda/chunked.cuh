@@ -302,6 +302,13 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
+/// Stores four 8 x 8 matrices of 16-bit elements from the m16n8 accumulator layout (register
+/// i: matrix i; lanes 8 i .. 8 i + 7 give its row addresses).
+__device__ __forceinline__ void stsm_x4(void* p, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(p)), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -803,13 +810,13 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       for (int ms = 0; ms < MS; ++ms) {
         const int mt = sw + NWS * ms;
         if (mt >= nKt) continue;
+        // Two 8-column tiles a stmatrix: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of columns
+        // 8 (nt + (l >> 4)) (NB is even).
+        std::uint16_t* dst = st + (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * ldv + 8 * (lane >> 4);
 #pragma unroll
-        for (int nt = 0; nt < NB; ++nt) {
-          unsigned* row0 = reinterpret_cast<unsigned*>(st + (16 * mt + r4) * ldv + 8 * nt + c4);
-          unsigned* row8 = reinterpret_cast<unsigned*>(st + (16 * mt + r4 + 8) * ldv + 8 * nt + c4);
-          *row0 = pack2<T>(S[ms][nt][0], S[ms][nt][1]);
-          *row8 = pack2<T>(S[ms][nt][2], S[ms][nt][3]);
-        }
+        for (int nt = 0; nt < NB; nt += 2)
+          stsm_x4(dst + 8 * nt, pack2<T>(S[ms][nt][0], S[ms][nt][1]), pack2<T>(S[ms][nt][2], S[ms][nt][3]),
+                  pack2<T>(S[ms][nt + 1][0], S[ms][nt + 1][1]), pack2<T>(S[ms][nt + 1][2], S[ms][nt + 1][3]));
       }
     };
     if (!LOCAL && has_h0) write_st(st_ptr(c_lo & 1));
@@ -1194,7 +1201,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
       const std::uint16_t* vrow = (GV ? vt : sv) + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
-#pragma unroll(GV ? 1 : nM)
+      // (Rolled for gv at 64-token chunks; unrolled for gk + gv's 32, measured with this
+      // commit's other two changes: bench/README.md, 2026-12-07 18:45 UTC.)
+#pragma unroll(GV && C > 32 ? 1 : nM)
       for (int kt = 0; kt < nM; ++kt) {
         if (16 * kt >= cl) break;
         unsigned ka[MS][4];
@@ -1377,10 +1386,12 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         mma16816<T>(O[0], qa, sb[0], sb[1]);
       }
     };
+    // With share_q the warp's own channels only (the others' after the exchange, from the
+    // owners' scaled rows).
+    const int ks_b = share_q ? ks0 : 0, ks_e = share_q ? ks1 : nKt;
 #pragma unroll(GK ? 1 : 2)
-    for (int ks = 0; ks < nKt; ++ks) {
+    for (int ks = ks_b; ks < ks_e; ++ks) {
       const bool mine = owns(ks);
-      if (share_q && !mine) continue;  // (after the exchange, from the owners' scaled rows)
       unsigned qa[4];
       ldsm_x4(qa, qrow + 16 * ks);
       if constexpr (GK) {
@@ -1483,8 +1494,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         }
       }
       if (share_q) {  // the other warps' key channels, scaled by them (ordered by the exchange)
-#pragma unroll 1
-        for (int ks = 0; ks < nKt; ++ks) {
+#pragma unroll
+        for (int ks = 0; ks < 8 * MS; ++ks) {
+          if (ks >= nKt) break;
           if (owns(ks)) continue;
           unsigned qa[4];
           ldsm_x4(qa, qrow + 16 * ks);
