@@ -74,7 +74,7 @@
 //
 // gv (the template flag GV, beside any GATE): the decay per value column b of the block makes
 // a second table D[l][b] (log2 units, stored [b][l], double buffered like gk's), scanned by
-// the output warps for chunk c + 1 at the end of chunk c from its gv rows, staged in shared
+// the state warps for chunk c + 1 at the end of chunk c from its gv rows, staged in shared
 // memory by cp.async at the start of chunk c:
 //   o_i[b] = scale * ( e^{D_i[b]} (q~_i S)[b]  +  sum_{j<=i} A_ij e^{D_i[b] - D_j[b]} v_j[b] )
 //   S[:, b] <- e^{D_C[b]} S[:, b] + sum_j k~_j^T (v_j[b] e^{D_C[b] - D_j[b]})
@@ -138,7 +138,7 @@ struct chunked_layout {
   // gk in 16 or 32 bits: the chunk's gk rows as given, [C][gk_pitch bytes], copied by cp.async
   // beside the q, k, v stage (0 bytes: read from global memory by the scan itself: doubles).
   unsigned off_gks = 0, gks_bytes = 0, gk_pitch = 0;
-  // gv: two tables (the output warps scan chunk c + 1 into one while chunk c reads the other)
+  // gv: two tables (the state warps scan chunk c + 1 into one while chunk c reads the other)
   // of the chunk's cumulative log2 decays per value column of the block, D^T [BV][ldt] float.
   // Column-major: a scanning lane's tokens are adjacent (16-byte stores). Then the state's
   // V~ = v e^{D_C - D_j} of the chunk, [C][ldv] in the input dtype (one buffer: the state warps
@@ -147,7 +147,7 @@ struct chunked_layout {
   unsigned off_gvt = 0, gvt_bytes = 0, off_vt = 0, vt_bytes = 0;
   // gv's rows of the next chunk as given, [C][gv_pitch bytes], copied by cp.async.
   unsigned off_gvs = 0, gvs_bytes = 0, gv_pitch = 0;
-  // gv: two sets of flags (a word per scanning warp: whether some |D_C - D_j| of its
+  // gv: two sets of flags (a word per scanning state warp: whether some |D_C - D_j| of its
   // columns passes chunked_gk_fast_log2), the chunk of a set read as for gk's flags; then two
   // sets of the smallest D_C of each scanning warp's columns (float).
   unsigned off_gvflag = 0;
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   static_assert(NWS == 8 && C % NSTG == 0, "8 state warps (16 MS rows each: K up to 128 MS); whole rows a warp");
   static_assert(NTW >= 1 && NTW * WPM == NB, "value block");
   static_assert(!(GV && LOCAL), "gv: no split-state pass (chunked_splits is 1 with gv)");
-  // gv's scan: output warp gsw < BV / 8 takes the block's columns [8 gsw, 8 gsw + 8) (GV_NCW), its
+  // gv's scan: state warp sw < BV / 8 takes the block's columns [8 sw, 8 sw + 8) (GV_NCW), its
   // lanes GV_NSEG runs of GV_TS consecutive tokens of each.
   constexpr int GV_NCW = 8, GV_NSEG = 32 / GV_NCW, GV_TS = C / GV_NSEG;
   // The A V products with gv read bfloat16 operands for both input dtypes: the diagonal
@@ -782,131 +782,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
     }
   };
 
-  // gv: the table of chunk c, D[l][b] = log2(e) * sum over the chunk's tokens up to l of gv
-  // of the block's value column b (a token's value clamped below at chunked_gk_floor; zero
-  // past the sequence end and past the block's real columns), scanned by the output warps
-  // gsw < BV / 8: output warp gsw takes columns [8 gsw, 8 gsw + 8), a lane column
-  // 8 gsw + lane % 8 and the tokens of run lane / 8. Chunk c + 1's gv rows go into shared
-  // memory by cp.async at the start of chunk c (each scanning warp its own 8 columns, so it
-  // waits for its own copies only) and are scanned at its end. (Loaded into registers
-  // instead, the loads were moved by the compiler down to the scan, which then waited for
-  // each: a third of gv's time on an H100, bench/README.md.) The state warps scanned gv
-  // before 2026-12-07; they carry more of a chunk's work (the gk scan, S~) than the output
-  // warps, whose chunk ends with their stores.
-  const int gsw = warp;
-  const bool gv_scans = GV && warp < NWO && gsw < BV / GV_NCW;
-  const int gv_col = gsw * GV_NCW + lane % GV_NCW, gv_run = lane / GV_NCW;
-  // (es a template constant, 2, 4 or 8, as for issue_gk.)
-  auto issue_gv_es = [&](std::int64_t c, auto es_c) {
-    constexpr int es = decltype(es_c)::value, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
-    const std::int64_t i0 = c * C;
-    const int cl = int(len - i0 < C ? len - i0 : C);
-    const int real16 = (w - gsw * GV_NCW) * upt;  // real 16-bit elements of the warp's slice
-    unsigned char* rows = chunked_smem + L.off_gvs + gsw * GV_NCW * es;
-    const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + gsw * GV_NCW;
-    if (cl == C && p.gv.align == 16 && real16 >= 8 * upt) {
-      // A whole chunk of aligned rows and 8 real columns: as issue_stage's short path (a
-      // lane's units are 32 / upt rows apart).
-      const int l0 = lane / upt, u = lane % upt;
-      constexpr int rstep = 32 / upt;
-      const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gv.data) +
-                                 ((base + tok(i0 + l0) * p.gv.s1) * upt + 8 * u);
-      const std::int64_t st = (reverse ? -p.gv.s1 : p.gv.s1) * rstep * upt;
-      unsigned char* dst = rows + l0 * L.gv_pitch + 16 * u;
-#pragma unroll
-      for (int it = 0; it < C * upt / 32; ++it) {
-        cp_async<16>(dst, src, 16);
-        src += st;
-        dst += rstep * L.gv_pitch;
-      }
-      cp_async_commit();
-      return;
-    }
-#pragma unroll
-    for (int it = 0; it < C * upt / 32; ++it) {
-      const int e = lane + 32 * it, l = e / upt, u = e % upt;
-      const std::int64_t t = tok(i0 + (l < cl ? l : 0));
-      stage_unit(rows + l * L.gv_pitch + 16 * u, p.gv, (base + t * p.gv.s1) * upt + 8 * u,
-                 l < cl ? min(8, real16 - 8 * u) : 0);
-    }
-    cp_async_commit();
-  };
-  auto issue_gv = [&](std::int64_t c) {
-    if (p.gv.es == 2) issue_gv_es(c, std::integral_constant<int, 2>());
-    else if (p.gv.es == 4) issue_gv_es(c, std::integral_constant<int, 4>());
-    else issue_gv_es(c, std::integral_constant<int, 8>());
-  };
-  auto scan_gv = [&](std::int64_t c, float* dt) {
-    const std::int64_t i0 = c * C;
-    const int cl = int(len - i0 < C ? len - i0 : C);
-    cp_async_wait<0>();
-    __syncwarp();  // (the copies of the warp's other lanes)
-    const unsigned char* rows = chunked_smem + L.off_gvs + gv_col * p.gv.es;
-    float x[GV_TS];
-#pragma unroll
-    for (int e = 0; e < GV_TS; ++e) {
-      const int l = gv_run * GV_TS + e;
-      const unsigned char* q = rows + l * L.gv_pitch;
-      float v;
-      if (p.gv.type == dtype::bfloat16) v = __uint_as_float(unsigned(*reinterpret_cast<const std::uint16_t*>(q)) << 16);
-      else if (p.gv.type == dtype::float16) v = __half2float(*reinterpret_cast<const __half*>(q));
-      else if (p.gv.type == dtype::float64) v = float(*reinterpret_cast<const double*>(q));
-      else v = *reinterpret_cast<const float*>(q);
-      v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
-      x[e] = l < cl && gv_col < w ? v : 0.f;
-    }
-    // The run's prefix sums in float, compensated (Kahan), then the runs before this lane's
-    // (the lanes GV_NCW apart hold one column's runs in order) in double, added as a
-    // two-float offset: no double conversion a token (the scan was a third of gv's cost,
-    // bench/README.md).
-    float ls[GV_TS], rs = 0.f, comp = 0.f;
-#pragma unroll
-    for (int e = 0; e < GV_TS; ++e) {
-      const float y = x[e] - comp, t = rs + y;
-      comp = (t - rs) - y;
-      rs = t;
-      ls[e] = rs;
-    }
-    const double tot = double(rs) - double(comp);
-    double incl = tot;
-#pragma unroll
-    for (int off = 1; off < GV_NSEG; off *= 2) {
-      const double t = __shfl_up_sync(0xffffffffu, incl, off * GV_NCW);
-      if (gv_run >= off) incl += t;
-    }
-    const double off = incl - tot;
-    const float offh = float(off), offl = float(off - double(offh));
-    float dv[GV_TS];
-#pragma unroll
-    for (int e = 0; e < GV_TS; ++e) dv[e] = ((offh + ls[e]) + offl) * kLog2e;
-    // D_C of the lane's column: the last run's last value, the state warps' D_C bit for bit.
-    const float dcl = __shfl_sync(0xffffffffu, dv[GV_TS - 1], (GV_NSEG - 1) * GV_NCW + lane % GV_NCW);
-    {
-      // Its smallest over the warp's columns (the state warps' decay of S: whether any
-      // factor can be 0). fminf passes over NaN.
-      float mn = dcl;
-#pragma unroll
-      for (int o = 1; o < GV_NCW; o *= 2) mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-      if (lane == 0) gvmin_ptr(int(c & 1))[gsw] = mn;
-    }
-    if constexpr (VT_OUT) {
-      // Whether every |D_C - D_j| of the warp's columns is within chunked_gk_fast_log2.
-      float dev = 0.f;
-#pragma unroll
-      for (int e = 0; e < GV_TS; ++e) dev = fmaxf(dev, fabsf(dcl - dv[e]));
-      const bool far = __any_sync(0xffffffffu, !(dev <= chunked_gk_fast_log2));  // (NaN: far)
-      if (lane == 0) gvflag_ptr(int(c & 1))[gsw] = far ? 1u : 0u;
-    }
-    float* drow = dt + gv_col * ldt + gv_run * GV_TS;  // (16-byte aligned for GV_TS >= 4)
-    if constexpr (GV_TS % 4 == 0) {
-#pragma unroll
-      for (int u = 0; u < GV_TS / 4; ++u)
-        reinterpret_cast<float4*>(drow)[u] = make_float4(dv[4 * u], dv[4 * u + 1], dv[4 * u + 2], dv[4 * u + 3]);
-    } else {
-#pragma unroll
-      for (int u = 0; u < GV_TS / 2; ++u) reinterpret_cast<float2*>(drow)[u] = make_float2(dv[2 * u], dv[2 * u + 1]);
-    }
-  };
   if (warp >= NWO) {
     // State warps: row tiles sw (and sw + NWS when MS = 2), every column, in float registers
     // (zeros past K and w); S~ (rounded to the input dtype) into the state buffer of the next
@@ -1115,10 +990,137 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       scan_gk(c, tb);
     };
+    // gv: the table of chunk c, D[l][b] = log2(e) * sum over the chunk's tokens up to l of gv
+    // of the block's value column b (a token's value clamped below at chunked_gk_floor; zero
+    // past the sequence end and past the block's real columns). Lane: column
+    // 8 sw + lane % 8, tokens of run lane / 8. Chunk c + 1's gv rows go into shared memory by
+    // cp.async at the start of chunk c (each scanning warp its own 8 columns, so it waits for
+    // its own copies only) and are scanned at its end. (Loaded into registers instead, the
+    // loads were moved by the compiler down to the scan, which then waited for each: a third
+    // of gv's time on an H100, bench/README.md.)
+    const bool gv_scans = sw < BV / GV_NCW;
+    const int gv_col = sw * GV_NCW + lane % GV_NCW, gv_run = lane / GV_NCW;
+    // (es a template constant, 2, 4 or 8, as for issue_gk.)
+    auto issue_gv_es = [&](std::int64_t c, auto es_c) {
+      constexpr int es = decltype(es_c)::value, upt = es / 2;  // 16-byte units a token of the warp's 8 columns
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      const int real16 = (w - sw * GV_NCW) * upt;  // real 16-bit elements of the warp's slice
+      unsigned char* rows = chunked_smem + L.off_gvs + sw * GV_NCW * es;
+      const std::int64_t base = bidx * p.gv.s0 + std::int64_t(h) * p.gv.s2 + b0 + sw * GV_NCW;
+      if (cl == C && p.gv.align == 16 && real16 >= 8 * upt) {
+        // A whole chunk of aligned rows and 8 real columns: as issue_stage's short path (a
+        // lane's units are 32 / upt rows apart).
+        const int l0 = lane / upt, u = lane % upt;
+        constexpr int rstep = 32 / upt;
+        const std::uint16_t* src = reinterpret_cast<const std::uint16_t*>(p.gv.data) +
+                                   ((base + tok(i0 + l0) * p.gv.s1) * upt + 8 * u);
+        const std::int64_t st = (reverse ? -p.gv.s1 : p.gv.s1) * rstep * upt;
+        unsigned char* dst = rows + l0 * L.gv_pitch + 16 * u;
+#pragma unroll
+        for (int it = 0; it < C * upt / 32; ++it) {
+          cp_async<16>(dst, src, 16);
+          src += st;
+          dst += rstep * L.gv_pitch;
+        }
+        cp_async_commit();
+        return;
+      }
+#pragma unroll
+      for (int it = 0; it < C * upt / 32; ++it) {
+        const int e = lane + 32 * it, l = e / upt, u = e % upt;
+        const std::int64_t t = tok(i0 + (l < cl ? l : 0));
+        stage_unit(rows + l * L.gv_pitch + 16 * u, p.gv, (base + t * p.gv.s1) * upt + 8 * u,
+                   l < cl ? min(8, real16 - 8 * u) : 0);
+      }
+      cp_async_commit();
+    };
+    auto issue_gv = [&](std::int64_t c) {
+      if (p.gv.es == 2) issue_gv_es(c, std::integral_constant<int, 2>());
+      else if (p.gv.es == 4) issue_gv_es(c, std::integral_constant<int, 4>());
+      else issue_gv_es(c, std::integral_constant<int, 8>());
+    };
+    auto scan_gv = [&](std::int64_t c, float* dt) {
+      const std::int64_t i0 = c * C;
+      const int cl = int(len - i0 < C ? len - i0 : C);
+      cp_async_wait<0>();
+      __syncwarp();  // (the copies of the warp's other lanes)
+      const unsigned char* rows = chunked_smem + L.off_gvs + gv_col * p.gv.es;
+      float x[GV_TS];
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) {
+        const int l = gv_run * GV_TS + e;
+        const unsigned char* q = rows + l * L.gv_pitch;
+        float v;
+        if (p.gv.type == dtype::bfloat16) v = __uint_as_float(unsigned(*reinterpret_cast<const std::uint16_t*>(q)) << 16);
+        else if (p.gv.type == dtype::float16) v = __half2float(*reinterpret_cast<const __half*>(q));
+        else if (p.gv.type == dtype::float64) v = float(*reinterpret_cast<const double*>(q));
+        else v = *reinterpret_cast<const float*>(q);
+        v = v < chunked_gk_floor ? chunked_gk_floor : (v > 1e4f ? 1e4f : v);  // (NaN passes)
+        x[e] = l < cl && gv_col < w ? v : 0.f;
+      }
+      // The run's prefix sums in float, compensated (Kahan), then the runs before this lane's
+      // (the lanes GV_NCW apart hold one column's runs in order) in double, added as a
+      // two-float offset: no double conversion a token (the scan was a third of gv's cost,
+      // bench/README.md).
+      float ls[GV_TS], rs = 0.f, comp = 0.f;
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) {
+        const float y = x[e] - comp, t = rs + y;
+        comp = (t - rs) - y;
+        rs = t;
+        ls[e] = rs;
+      }
+      const double tot = double(rs) - double(comp);
+      double incl = tot;
+#pragma unroll
+      for (int off = 1; off < GV_NSEG; off *= 2) {
+        const double t = __shfl_up_sync(0xffffffffu, incl, off * GV_NCW);
+        if (gv_run >= off) incl += t;
+      }
+      const double off = incl - tot;
+      const float offh = float(off), offl = float(off - double(offh));
+      float dv[GV_TS];
+#pragma unroll
+      for (int e = 0; e < GV_TS; ++e) dv[e] = ((offh + ls[e]) + offl) * kLog2e;
+      // D_C of the lane's column: the last run's last value, the state warps' D_C bit for bit.
+      const float dcl = __shfl_sync(0xffffffffu, dv[GV_TS - 1], (GV_NSEG - 1) * GV_NCW + lane % GV_NCW);
+      {
+        // Its smallest over the warp's columns (the state warps' decay of S: whether any
+        // factor can be 0). fminf passes over NaN.
+        float mn = dcl;
+#pragma unroll
+        for (int o = 1; o < GV_NCW; o *= 2) mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+        if (lane == 0) gvmin_ptr(int(c & 1))[sw] = mn;
+      }
+      if constexpr (VT_OUT) {
+        // Whether every |D_C - D_j| of the warp's columns is within chunked_gk_fast_log2.
+        float dev = 0.f;
+#pragma unroll
+        for (int e = 0; e < GV_TS; ++e) dev = fmaxf(dev, fabsf(dcl - dv[e]));
+        const bool far = __any_sync(0xffffffffu, !(dev <= chunked_gk_fast_log2));  // (NaN: far)
+        if (lane == 0) gvflag_ptr(int(c & 1))[sw] = far ? 1u : 0u;
+      }
+      float* drow = dt + gv_col * ldt + gv_run * GV_TS;  // (16-byte aligned for GV_TS >= 4)
+      if constexpr (GV_TS % 4 == 0) {
+#pragma unroll
+        for (int u = 0; u < GV_TS / 4; ++u)
+          reinterpret_cast<float4*>(drow)[u] = make_float4(dv[4 * u], dv[4 * u + 1], dv[4 * u + 2], dv[4 * u + 3]);
+      } else {
+#pragma unroll
+        for (int u = 0; u < GV_TS / 2; ++u) reinterpret_cast<float2*>(drow)[u] = make_float2(dv[2 * u], dv[2 * u + 1]);
+      }
+    };
     if constexpr (GK) {
       if (c_lo < c_hi) {
         if (L.gks_bytes) issue_gk(c_lo);
         staged_scan(c_lo, tab_ptr(int(c_lo & 1)));
+      }
+    }
+    if constexpr (GV) {
+      if (c_lo < c_hi && gv_scans) {
+        issue_gv(c_lo);
+        scan_gv(c_lo, gvt_ptr(int(c_lo & 1)));
       }
     }
     chunk_loop([&](std::int64_t c, int buf, std::int64_t, int cl, const std::uint16_t*, const std::uint16_t* sk,
@@ -1152,6 +1154,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       }
       if constexpr (GK) {
         if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
+      }
+      if constexpr (GV) {
+        if (c + 1 < c_hi && gv_scans) issue_gv(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
       }
       // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
       // Each decay below multiplies S by factors f with a zero f giving exactly 0 (not
@@ -1303,6 +1308,9 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       if constexpr (GK) {
         if (c + 1 < c_hi) staged_scan(c + 1, tab_ptr(buf ^ 1));
       }
+      if constexpr (GV) {
+        if (c + 1 < c_hi && gv_scans) scan_gv(c + 1, gvt_ptr(buf ^ 1));
+      }
     });
     if constexpr (LOCAL) {
       // The split's own final state into its slot; its total decay factor once.
@@ -1379,9 +1387,8 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   if (WPM > 1 && out_warp && grp == 0 && lane == 0)
     mbar_init(mbar, 32 * WPM);
   // (the chunk loop's first barrier orders the init before any arrival)
-  // A chunk's outputs (a row tile of the warp's columns).
-  auto out_chunk = [&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq,
-                       const std::uint16_t* sk, const std::uint16_t* sv) {
+  chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
+                 const std::uint16_t* sv, float, double, int) {
     if (!out_warp || 16 * mi >= cl) return;
     const std::uint16_t* st = st_ptr(buf);
     // A = Q_m K^T (tokens 0 .. 16 mi + 15) and O = Q_m S~ (the warp's columns).
@@ -1804,24 +1811,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           if (b + 1 < w) row[8 * t + 1] = from_acc<T>(x1);
         }
       }
-    }
-  };
-  // gv: the scan of the first chunk; then each chunk's outputs between the copy of the next
-  // chunk's gv rows and their scan.
-  if constexpr (GV) {
-    if (c_lo < c_hi && gv_scans) {
-      issue_gv(c_lo);
-      scan_gv(c_lo, gvt_ptr(int(c_lo & 1)));
-    }
-  }
-  chunk_loop([&](std::int64_t c, int buf, std::int64_t i0, int cl, const std::uint16_t* sq, const std::uint16_t* sk,
-                 const std::uint16_t* sv, float, double, int) {
-    if constexpr (GV) {
-      if (c + 1 < c_hi && gv_scans) issue_gv(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
-    }
-    out_chunk(c, buf, i0, cl, sq, sk, sv);
-    if constexpr (GV) {
-      if (c + 1 < c_hi && gv_scans) scan_gv(c + 1, gvt_ptr(buf ^ 1));
     }
   });
   // Invalidate the exchange's mbarriers once every warp of the block is past its last wait on
