@@ -148,8 +148,7 @@ struct chunked_layout {
   // gv's rows of the next chunk as given, [C][gv_pitch bytes], copied by cp.async.
   unsigned off_gvs = 0, gvs_bytes = 0, gv_pitch = 0;
   // gv: two sets of flags (a word per scanning state warp: whether some |D_C - D_j| of its
-  // columns passes chunked_gk_fast_log2), the chunk of a set read as for gk's flags; then two
-  // sets of the smallest D_C of each scanning warp's columns (float).
+  // columns passes chunked_gk_fast_log2), the chunk of a set read as for gk's flags.
   unsigned off_gvflag = 0;
   // Not LOCAL: the output warps' partial A = Q K^T (each warp of a row tile forms it over its
   // share of the key channels), [out warp][2 C/16 column tiles][32 lanes] x 2 words (input dtype),
@@ -525,8 +524,6 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
   const unsigned vmbar = unsigned(__cvta_generic_to_shared(chunked_smem + L.off_mbar)) + 8u * unsigned(C / 16);
   auto gvflag_ptr = [&](int s) { return reinterpret_cast<unsigned*>(chunked_smem + L.off_gvflag) + 8 * s; };
   auto gvt_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvt + unsigned(s) * L.gvt_bytes); };
-  // gv: the smallest D_C of each scanning warp's columns, two sets after the flags.
-  auto gvmin_ptr = [&](int s) { return reinterpret_cast<float*>(chunked_smem + L.off_gvflag) + 16 + 8 * s; };
   const int ldt = L.ldt;
 
   const std::int64_t nchunks = (len + C - 1) / C;
@@ -1083,18 +1080,10 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
       float dv[GV_TS];
 #pragma unroll
       for (int e = 0; e < GV_TS; ++e) dv[e] = ((offh + ls[e]) + offl) * kLog2e;
-      // D_C of the lane's column: the last run's last value, the state warps' D_C bit for bit.
-      const float dcl = __shfl_sync(0xffffffffu, dv[GV_TS - 1], (GV_NSEG - 1) * GV_NCW + lane % GV_NCW);
-      {
-        // Its smallest over the warp's columns (the state warps' decay of S: whether any
-        // factor can be 0). fminf passes over NaN.
-        float mn = dcl;
-#pragma unroll
-        for (int o = 1; o < GV_NCW; o *= 2) mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-        if (lane == 0) gvmin_ptr(int(c & 1))[sw] = mn;
-      }
       if constexpr (VT_OUT) {
-        // Whether every |D_C - D_j| of the warp's columns is within chunked_gk_fast_log2.
+        // Whether every |D_C - D_j| of the warp's columns is within chunked_gk_fast_log2 (D_C:
+        // the last run's last value, the state warps' D_C bit for bit).
+        const float dcl = __shfl_sync(0xffffffffu, dv[GV_TS - 1], (GV_NSEG - 1) * GV_NCW + lane % GV_NCW);
         float dev = 0.f;
 #pragma unroll
         for (int e = 0; e < GV_TS; ++e) dev = fmaxf(dev, fabsf(dcl - dv[e]));
@@ -1129,15 +1118,55 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
         split_G += GC;
         split_zero = split_zero || segC != 0;
       }
+      if constexpr (GK) {
+        if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
+      }
+      if constexpr (GV) {
+        if (c + 1 < c_hi && gv_scans) issue_gv(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
+      }
+      // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
+      if constexpr (GATED) {
+        const float f = segC == 0 ? fast_exp2(GC2) : 0.f;
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int nt = 0; nt < NB; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) S[ms][nt][i] = f == 0.f ? 0.f : S[ms][nt][i] * f;
+      }
+      // gk: row a of S decays by e^{B_C[a]}; K~ = k scaled by e^{B_C[a] - B_j[a]}.
+      const float* tb = GK ? tab_ptr(buf) : nullptr;
+      float bc[MS][2], fk[MS][2];
+      if constexpr (GK) {
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int a = 16 * (sw + NWS * ms) + r4 + 8 * hh;
+            bc[ms][hh] = a < Kp ? tb[(C - 1) * ldb + a] : 0.f;
+            const float f = fast_exp2(bc[ms][hh]);
+            // With gv, S's row and column decays are applied below in one multiply by their
+            // product (H100, B4 T4096 H16: gk + gv 0.691 -> 0.679 ms, bench/README.md), both
+            // factors made finite first so that a zero one still gives 0 and not inf * 0.
+            if constexpr (GV) {
+              fk[ms][hh] = finite_or_nan(f);
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < NB; ++nt) {
+                S[ms][nt][2 * hh] = f == 0.f ? 0.f : S[ms][nt][2 * hh] * f;
+                S[ms][nt][2 * hh + 1] = f == 0.f ? 0.f : S[ms][nt][2 * hh + 1] * f;
+              }
+            }
+          }
+      }
       // gv: V~ = v scaled by e^{D_C[b] - D_j[b]} (<= 1) into its buffer, each factor once over
       // the state warps: warp sw the tokens [TPW sw, TPW sw + TPW), a lane a token and a column
       // at a time (D's rows read along tokens). vmbar orders the writes before the K~^T V~
       // products below (and the output warps' reads); the chunk barrier orders this chunk's
       // reads before the next chunk's writes. (Each state warp scaling its v operand registers
       // by a factor table instead formed every product 8 times: ~5100 of the ~18000 warp
-      // instructions gv added a chunk, ncu on an H100, B4 T4096 H16.) Formed first in the
-      // chunk, so that the output warps, which read it for A V, wait the least, and the state
-      // warps issue their copies and decay S between their arrival and their wait.
+      // instructions gv added a chunk, ncu on an H100, B4 T4096 H16.) Then column b of S
+      // decays by e^{D_C[b]}.
       const float* dt = GV ? gvt_ptr(buf) : nullptr;
       std::uint16_t* const vt = GV ? reinterpret_cast<std::uint16_t*>(chunked_smem + L.off_vt) : nullptr;
       if constexpr (GV) {
@@ -1151,110 +1180,23 @@ __global__ void __launch_bounds__(LOCAL ? 32 * (detail::chunked_warps - detail::
           vt[j * ldv + b] = std::uint16_t(pack2<T>(f == 0.f ? 0.f : x * f, 0.f) & 0xffffu);
         }
         mbar_arrive(vmbar);
-      }
-      if constexpr (GK) {
-        if (L.gks_bytes && c + 1 < c_hi) issue_gk(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
-      }
-      if constexpr (GV) {
-        if (c + 1 < c_hi && gv_scans) issue_gv(c + 1);  // (the stage was read by chunk c's scan, before the barrier)
-      }
-      // S <- e^{G_C} S + K~^T V (K~: k rows scaled by e^{G_C - G_j}, in the operand registers).
-      // Each decay below multiplies S by factors f with a zero f giving exactly 0 (not
-      // inf * 0 = NaN): where the factors of the warp (or the block) are all nonzero, which
-      // is known before the loop, plain multiplies; else a compare and a select an element.
-      if constexpr (GATED) {
-        const float f = segC == 0 ? fast_exp2(GC2) : 0.f;  // (block-uniform)
-        if (f != 0.f) {
 #pragma unroll
-          for (int ms = 0; ms < MS; ++ms)
+        for (int nt = 0; nt < NB; ++nt) {
 #pragma unroll
-            for (int nt = 0; nt < NB; ++nt)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) S[ms][nt][i] *= f;
-        } else {
-#pragma unroll
-          for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-            for (int nt = 0; nt < NB; ++nt)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) S[ms][nt][i] = 0.f;
-        }
-      }
-      // gk: row a of S decays by e^{B_C[a]}; K~ = k scaled by e^{B_C[a] - B_j[a]}.
-      const float* tb = GK ? tab_ptr(buf) : nullptr;
-      float bc[MS][2], fk[MS][2];
-      if constexpr (GK) {
-        bool nz = true;
-#pragma unroll
-        for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int a = 16 * (sw + NWS * ms) + r4 + 8 * hh;
-            bc[ms][hh] = a < Kp ? tb[(C - 1) * ldb + a] : 0.f;
-            // With gv, S's row and column decays are applied below in one multiply by their
-            // product (H100, B4 T4096 H16: gk + gv 0.691 -> 0.679 ms, bench/README.md), both
-            // factors made finite first so that a zero one still gives 0 and not inf * 0.
-            const float f = fast_exp2(bc[ms][hh]);
-            fk[ms][hh] = GV ? finite_or_nan(f) : f;
-            nz = nz && f != 0.f;
-          }
-        (void)nz;  // (gk alone)
-        if constexpr (!GV) {
-          auto decay_rows = [&](auto plain) {
+          for (int e = 0; e < 2; ++e) {
+            const float fv = finite_or_nan(fast_exp2(dt[(8 * nt + c4 + e) * ldt + C - 1]));
 #pragma unroll
             for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) {
-                const float f = fk[ms][hh];
-#pragma unroll
-                for (int nt = 0; nt < NB; ++nt)
-#pragma unroll
-                  for (int e = 0; e < 2; ++e) {
-                    float& s = S[ms][nt][2 * hh + e];
-                    s = decltype(plain)::value || f != 0.f ? s * f : 0.f;
-                  }
+                float f = fv;
+                if constexpr (GK) f *= fk[ms][hh];
+                S[ms][nt][2 * hh + e] = f == 0.f ? 0.f : S[ms][nt][2 * hh + e] * f;
               }
-          };
-          if (__all_sync(0xffffffffu, nz)) decay_rows(std::true_type());
-          else decay_rows(std::false_type());
+          }
         }
       }
-      // gv: column b of S decays by e^{D_C[b]} (times the row's gk factor). Every product is
-      // nonzero when the smallest column factor (from the scan's minimum of D_C over the
-      // block's columns, halved: ex2.approx need not be monotonic to the last bit) times the
-      // smallest row factor, halved, is.
       if constexpr (GV) {
-        const float* dmin = gvmin_ptr(buf);
-        float d = dmin[0];
-#pragma unroll
-        for (int s8 = 1; s8 < BV / GV_NCW; ++s8) d = fminf(d, dmin[s8]);
-        float lo = fast_exp2(d - 1.f);
-        if constexpr (GK) {
-          float mk = fk[0][0];
-#pragma unroll
-          for (int ms = 0; ms < MS; ++ms) mk = fminf(mk, fminf(fk[ms][0], fk[ms][1]));
-          lo *= 0.5f * mk;
-        }
-        auto decay_cols = [&](auto plain) {
-#pragma unroll
-          for (int nt = 0; nt < NB; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float fv = finite_or_nan(fast_exp2(dt[(8 * nt + c4 + e) * ldt + C - 1]));
-#pragma unroll
-              for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                  float f = fv;
-                  if constexpr (GK) f *= fk[ms][hh];
-                  float& s = S[ms][nt][2 * hh + e];
-                  s = decltype(plain)::value || f != 0.f ? s * f : 0.f;
-                }
-            }
-          }
-        };
-        if (__all_sync(0xffffffffu, lo != 0.f)) decay_cols(std::true_type());
-        else decay_cols(std::false_type());
         mbar_wait(vmbar, unsigned((c - c_lo) & 1));  // every state warp's share of V~ (a phase a chunk)
       }
       const std::uint16_t* ktrow = sk + ((lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8;
